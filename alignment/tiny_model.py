@@ -1,0 +1,105 @@
+"""Build a small Qwen2 model and byte-level BPE tokenizer on the fly.
+
+No hub access is needed: the tokenizer is trained in seconds with `tokenizers`
+on the texts it will see, and the model is randomly initialised. Both are saved as
+an ordinary Hugging Face checkpoint that transformers and vLLM load like any other.
+Tests, the CPU demo and the GPU benchmarks (with `qwen2_5_math_1_5b_config`) use it.
+
+vLLM's CPU attention needs head_dim 64 (16 failed with "Unsupported CPU attention
+configuration"), so every config here keeps hidden_size / num_attention_heads = 64.
+"""
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+from alignment.data import R1_ZERO_PROMPT
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+def train_byte_level_tokenizer(texts, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A GPT-2 style byte-level BPE tokenizer; `<|endoftext|>` is eos and pad.
+
+    Any string round-trips (byte-level), so model outputs never hit unknown tokens.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=END_OF_TEXT,
+        pad_token=END_OF_TEXT,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def tiny_qwen2_config(vocab_size: int, hidden_size: int = 128, num_layers: int = 2, intermediate_size: int = 256, max_position_embeddings: int = 1024, eos_token_id: int = 0) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=max(1, hidden_size // 128),
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+    )
+
+
+def qwen2_5_math_1_5b_config() -> Qwen2Config:
+    """The shape of Qwen2.5-Math-1.5B, for random-init GPU benchmarks (no download)."""
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        pad_token_id=151643,
+    )
+
+
+def build_tiny_checkpoint(path, texts=None, vocab_size: int = 512, seed: int = 0, **config_overrides) -> Path:
+    """Train a tokenizer on `texts`, build a random Qwen2, save both to `path`.
+
+    `texts` defaults to the r1_zero prompt plus a few arithmetic lines, enough for
+    tests. Returns the checkpoint path.
+    """
+    import torch
+
+    path = Path(path)
+    if texts is None:
+        texts = [R1_ZERO_PROMPT.replace("{question}", f"What is {a} plus {b}?") + f" {a} + {b} = {a + b} </think> <answer> {a + b} </answer>" for a in range(20) for b in range(5)]
+    tokenizer = train_byte_level_tokenizer(texts, vocab_size=vocab_size)
+    config = tiny_qwen2_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    # generation_config.json would carry transformers defaults that vLLM also reads;
+    # keep the checkpoint neutral so both backends sample exactly as we ask.
+    generation_config = path / "generation_config.json"
+    if generation_config.exists():
+        generation_config.write_text(json.dumps({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.eos_token_id}))
+    return path

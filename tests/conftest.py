@@ -1,0 +1,41 @@
+"""Shared fixtures: the GSM8K folder (skip when absent) and a tiny Qwen2 checkpoint."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def find_gsm8k_dir() -> Path | None:
+    """GSM8K_DIR if set, else data/gsm8k in the repo; None when the files are absent."""
+    candidate = Path(os.environ.get("GSM8K_DIR", REPO_ROOT / "data" / "gsm8k"))
+    if (candidate / "train.jsonl").is_file() and (candidate / "test.jsonl").is_file():
+        return candidate
+    return None
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir() -> Path:
+    found = find_gsm8k_dir()
+    if found is None:
+        pytest.skip("GSM8K not found: run `python -m alignment.data download` or set GSM8K_DIR (CI copies it to data/gsm8k)")
+    return found
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A random 2-layer Qwen2 (hidden 128) with a 512-token byte-level BPE tokenizer."""
+    from alignment.tiny_model import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_and_tokenizer(tiny_checkpoint):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(tiny_checkpoint)

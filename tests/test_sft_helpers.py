@@ -1,0 +1,122 @@
+"""alignment/sft_helpers.py and fused_logprobs.py on a tiny Qwen2 built on the fly."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from alignment.fused_logprobs import chunked_linear_log_probs
+from alignment.sft_helpers import (
+    compute_entropy,
+    get_response_log_probs,
+    sft_microbatch_train_step,
+    tokenize_prompt_and_output,
+    tokenize_rollouts,
+)
+
+PROMPTS = ["User: What is 2 plus 3?\nAssistant: <think>", "User: What is 10 plus 4?\nAssistant: <think>"]
+OUTPUTS = [" 2 + 3 = 5 </think> <answer> 5 </answer>", " 14 </think> <answer> 14 </answer>"]
+
+
+def test_tokenize_prompt_and_output_layout(tiny_model_and_tokenizer):
+    _, tokenizer = tiny_model_and_tokenizer
+    batch = tokenize_prompt_and_output(PROMPTS, OUTPUTS, tokenizer)
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    output_ids = [tokenizer(o)["input_ids"] for o in OUTPUTS]
+    full = [p + o for p, o in zip(prompt_ids, output_ids)]
+    width = max(map(len, full)) - 1
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["response_mask"].shape == (2, width)
+    for row in range(2):
+        n = len(full[row])
+        padded = full[row] + [tokenizer.pad_token_id] * (width + 1 - n)
+        assert batch["input_ids"][row].tolist() == padded[:-1]
+        assert batch["labels"][row].tolist() == padded[1:]
+        expected_mask = [False] * (len(prompt_ids[row]) - 1) + [True] * len(output_ids[row]) + [False] * (width + 1 - n)
+        assert batch["response_mask"][row].tolist() == expected_mask
+        # the masked labels are exactly the output tokens
+        assert batch["labels"][row][batch["response_mask"][row]].tolist() == output_ids[row]
+
+
+def test_tokenize_rollouts_masks_response_only(tiny_model_and_tokenizer):
+    _, tokenizer = tiny_model_and_tokenizer
+    responses = [OUTPUTS[0], OUTPUTS[1] + tokenizer.eos_token]
+    batch = tokenize_rollouts(PROMPTS, responses, tokenizer)
+    reference = tokenize_prompt_and_output(PROMPTS, OUTPUTS, tokenizer)
+    # the prompts end in '>' so joint tokenisation splits at the same place; the
+    # eos the second response carries is excluded from the mask
+    assert batch["response_mask"].sum(-1).tolist() == reference["response_mask"].sum(-1).tolist()
+    for row in range(2):
+        assert batch["labels"][row][batch["response_mask"][row]].tolist() == reference["labels"][row][reference["response_mask"][row]].tolist()
+
+
+def _per_token_loop(model, input_ids, labels):
+    """Naive reference: one forward per prefix, score the next token."""
+    out = torch.zeros(labels.shape)
+    for row in range(input_ids.shape[0]):
+        for t in range(input_ids.shape[1]):
+            logits = model(input_ids=input_ids[row : row + 1, : t + 1]).logits[0, -1]
+            out[row, t] = torch.log_softmax(logits.double(), -1)[labels[row, t]].float()
+    return out
+
+
+@pytest.mark.parametrize("chunk_size", [0, 5])
+def test_log_probs_equal_per_token_loop(tiny_model_and_tokenizer, chunk_size):
+    model, tokenizer = tiny_model_and_tokenizer
+    batch = tokenize_prompt_and_output(PROMPTS, OUTPUTS, tokenizer)
+    input_ids, labels = batch["input_ids"][:, :12], batch["labels"][:, :12]
+    with torch.no_grad():
+        result = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=chunk_size)
+        expected = _per_token_loop(model, input_ids, labels)
+        logits = model(input_ids=input_ids).logits
+    assert torch.allclose(result["log_probs"], expected, atol=1e-5)
+    probs = torch.softmax(logits.double(), -1)
+    hand_entropy = -(probs * probs.log()).sum(-1)
+    assert torch.allclose(result["token_entropy"].double(), hand_entropy, atol=1e-5)
+
+
+def test_fused_log_probs_gradient_matches_naive(tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    batch = tokenize_prompt_and_output(PROMPTS, OUTPUTS, tokenizer)
+    weights = torch.randn(batch["labels"].shape, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for chunk_size in (0, 7):
+        clone = copy.deepcopy(model)
+        log_probs = get_response_log_probs(clone, batch["input_ids"], batch["labels"], chunk_size=chunk_size)["log_probs"]
+        (log_probs * weights).sum().backward()
+        grads.append({name: p.grad.clone() for name, p in clone.named_parameters()})
+    naive, fused = grads
+    assert naive.keys() == fused.keys()
+    for name in naive:
+        assert torch.allclose(naive[name], fused[name], atol=1e-4, rtol=1e-4), name
+
+
+def test_chunked_log_probs_gradcheck_float64():
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 3, 4, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(9, 4, dtype=torch.float64, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 9, (2, 3), generator=generator)
+    assert torch.autograd.gradcheck(lambda h, w: chunked_linear_log_probs(h, w, labels, chunk_size=4)[0], (hidden, weight))
+    log_probs, _ = chunked_linear_log_probs(hidden, weight, labels, chunk_size=4)
+    naive = torch.log_softmax(hidden @ weight.T, -1).gather(-1, labels[..., None]).squeeze(-1)
+    assert torch.allclose(log_probs, naive, atol=1e-12)
+
+
+def test_compute_entropy_hand_cases():
+    uniform = torch.zeros(1, 2, 8)
+    assert torch.allclose(compute_entropy(uniform), torch.full((1, 2), math.log(8)))
+    peaked = torch.tensor([[[1000.0, 0.0, 0.0]]])
+    assert compute_entropy(peaked).item() == pytest.approx(0.0, abs=1e-6)
+    two_way = torch.tensor([[[0.0, 0.0, -1e4]]])
+    assert compute_entropy(two_way).item() == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_sft_microbatch_train_step_hand_case():
+    log_probs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -4.0]], requires_grad=True)
+    mask = torch.tensor([[False, True, True], [True, True, False]])
+    loss, meta = sft_microbatch_train_step(log_probs, mask, gradient_accumulation_steps=2, normalize_constant=2.0)
+    # per sequence: -(-5)/2 = 2.5 and -(-1)/2 = 0.5; mean 1.5; / 2 accumulation steps
+    assert loss.item() == pytest.approx(0.75)
+    assert meta["num_response_tokens"].item() == 4
+    expected = torch.tensor([[0.0, -0.125, -0.125], [-0.125, -0.125, 0.0]])
+    assert torch.allclose(log_probs.grad, expected)
