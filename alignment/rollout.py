@@ -1,0 +1,232 @@
+"""Rollout engines: vLLM (seed) and Hugging Face `generate`, with one interface.
+
+Both honour the same sampling settings: temperature (0 = greedy), top_p,
+min_tokens, max_tokens, repetition penalty, and `stop=["</answer>"]` with the stop
+string kept in the text (vLLM's `include_stop_str_in_output=True`). Both can take
+new weights from the policy (`load_weights`), which is how rollouts follow the
+policy instead of staying at the start checkpoint as in the seed.
+
+vLLM is imported lazily inside `VllmEngine`, so everything else runs where vLLM is
+not installed.
+"""
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from alignment.errors import UserError
+
+STOP_STRINGS = ("</answer>",)
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    min_tokens: int = 0
+    max_tokens: int = 1024
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = STOP_STRINGS
+
+    @classmethod
+    def from_args(cls, args, prefix: str) -> "SamplingSettings":
+        """Read `--{prefix}temperature` etc. (prefix `sampling_`, `eval_` or '')."""
+        return cls(
+            temperature=getattr(args, f"{prefix}temperature"),
+            top_p=getattr(args, f"{prefix}top_p"),
+            min_tokens=getattr(args, f"{prefix}min_tokens"),
+            max_tokens=getattr(args, f"{prefix}max_tokens"),
+            repetition_penalty=args.repetition_penalty,
+        )
+
+
+@dataclass
+class Generation:
+    text: str
+    num_tokens: int
+
+
+def truncate_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """Cut after the first stop string, keeping it (vLLM's include_stop_str_in_output)."""
+    cut = len(text)
+    for marker in stop:
+        index = text.find(marker)
+        if index != -1:
+            cut = min(cut, index + len(marker))
+    return text[:cut]
+
+
+class HfEngine:
+    """Rollouts with transformers `generate` on a model we already hold.
+
+    With `--rollout_sync_every 1` the engine wraps the policy itself, so a "sync" is
+    free; otherwise it wraps its own copy and `load_weights` copies the policy in.
+    """
+
+    def __init__(self, model, tokenizer, batch_size: int = 64):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.device = model.get_input_embeddings().weight.device
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], sampling: SamplingSettings) -> list[Generation]:
+        from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+
+        class StopAfterMinTokens(StoppingCriteria):
+            """vLLM ignores stop strings before min_tokens; HF's criterion does not."""
+
+            def __init__(self, inner, prompt_length):
+                self.inner, self.prompt_length = inner, prompt_length
+
+            def __call__(self, input_ids, scores, **kwargs):
+                done = self.inner(input_ids, scores, **kwargs)
+                if input_ids.shape[1] - self.prompt_length < sampling.min_tokens:
+                    return torch.zeros_like(done)
+                return done
+
+        was_training = self.model.training
+        self.model.eval()
+        padding_side = self.tokenizer.padding_side
+        self.tokenizer.padding_side = "left"
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        outputs = []
+        try:
+            for start in range(0, len(prompts), self.batch_size):
+                batch = self.tokenizer(prompts[start : start + self.batch_size], return_tensors="pt", padding=True).to(self.device)
+                prompt_length = batch["input_ids"].shape[1]
+                stop = StopAfterMinTokens(StopStringCriteria(self.tokenizer, list(sampling.stop)), prompt_length)
+                sample = sampling.temperature > 0
+                generated = self.model.generate(
+                    **batch,
+                    do_sample=sample,
+                    temperature=sampling.temperature if sample else None,
+                    top_p=sampling.top_p if sample else None,
+                    top_k=0 if sample else None,
+                    min_new_tokens=sampling.min_tokens,
+                    max_new_tokens=sampling.max_tokens,
+                    repetition_penalty=sampling.repetition_penalty,
+                    stopping_criteria=StoppingCriteriaList([stop]),
+                    pad_token_id=pad_id,
+                    eos_token_id=self.tokenizer.eos_token_id,
+                )[:, prompt_length:]
+                for row in generated.tolist():
+                    if pad_id in row:  # finished rows are padded after their last token
+                        row = row[: row.index(pad_id)]
+                    text = truncate_at_stop(self.tokenizer.decode(row, skip_special_tokens=True), sampling.stop)
+                    outputs.append(Generation(text=text, num_tokens=len(row)))
+        finally:
+            self.tokenizer.padding_side = padding_side
+            self.model.train(was_training)
+        return outputs
+
+    def load_weights(self, named_tensors) -> None:
+        own = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name in own and own[name].data_ptr() != tensor.data_ptr():
+                    own[name].copy_(tensor)
+
+    def close(self) -> None:
+        pass
+
+
+def _vllm_version() -> tuple[int, int]:
+    import vllm
+
+    major, minor = vllm.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+class VllmEngine:
+    """An in-process vLLM `LLM` on one device, with in-place weight reload.
+
+    In-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so `load_weights` hands tensors
+    over without serialising them: `collective_rpc("reload_weights", weights_iterator=...)`
+    copies each tensor into the engine's parameters (across GPUs when the policy
+    lives elsewhere), then the prefix cache is dropped, since its KV entries were
+    computed with the old weights. Works on vLLM 0.26 (GPU image here) and 0.32.
+    """
+
+    def __init__(self, model_path, device: str, dtype: str, seed: int, gpu_memory_utilization: float | None = None, kv_cache_gb: float = 1.0, enforce_eager: bool = False, max_model_len: int | None = None, shares_gpu: bool = False):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            from vllm import LLM
+        except ImportError as error:
+            raise UserError(f"vLLM is not importable ({error}); install it (see README) or pass --rollout_backend hf / --backend hf") from None
+        kwargs = {"model": str(model_path), "dtype": dtype, "seed": seed, "enforce_eager": enforce_eager, "max_model_len": max_model_len}
+        if device == "cpu":
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 1024**3)
+        else:
+            index = int(device.split(":")[1])
+            if index:
+                kwargs["device_ids"] = [index]
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization or (0.3 if shares_gpu else 0.85)
+        started = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.start_seconds = time.perf_counter() - started
+        self.device = device
+
+    def generate(self, prompts: list[str], sampling: SamplingSettings) -> list[Generation]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            min_tokens=sampling.min_tokens,
+            max_tokens=sampling.max_tokens,
+            repetition_penalty=sampling.repetition_penalty,
+            stop=list(sampling.stop),
+            include_stop_str_in_output=True,
+        )
+        results = self.llm.generate(prompts, params, use_tqdm=False)
+        return [Generation(text=r.outputs[0].text, num_tokens=len(r.outputs[0].token_ids)) for r in results]
+
+    def load_weights(self, named_tensors) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        import gc
+
+        del self.llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def load_hf_model(model_path, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    except OSError as error:
+        raise UserError(f"cannot load a model from {model_path}: {str(error).splitlines()[0]}") from None
+    return model.to(device)
+
+
+def load_tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except OSError as error:
+        raise UserError(f"cannot load a tokenizer from {model_path}: {str(error).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_engine(backend: str, model_path, device: str, dtype: torch.dtype, seed: int, args, tokenizer=None, shares_gpu: bool = False):
+    """A rollout/eval engine for `model_path` on `device` (`backend` vllm or hf)."""
+    if backend == "vllm":
+        return VllmEngine(
+            model_path, device, dtype=str(dtype).removeprefix("torch."), seed=seed,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
+            enforce_eager=args.vllm_enforce_eager, shares_gpu=shares_gpu,
+        )
+    tokenizer = tokenizer or load_tokenizer(model_path)
+    return HfEngine(load_hf_model(model_path, device, dtype), tokenizer, batch_size=args.hf_batch_size)

@@ -1,0 +1,67 @@
+"""A small arithmetic word-problem task in exactly the GSM8K jsonl format.
+
+Used by the CPU demo and the tests: rows `{"question", "answer"}` whose answer is
+worked reasoning with GSM8K's calculator annotations and a final `#### N`, so the
+same loader, prompt, SFT completion and grader apply unchanged. Problems take one
+or two steps of addition or subtraction over small numbers; train and test are
+disjoint (no question appears in both).
+"""
+
+import json
+import random
+from pathlib import Path
+
+NAMES = ["Ava", "Ben", "Cara", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jade", "Kai", "Lena", "Mia", "Noah", "Omar", "Pia"]
+ITEMS = ["apples", "books", "coins", "eggs", "pens", "shells", "stamps", "cards", "marbles", "cookies"]
+
+
+def make_problem(rng: random.Random, max_value: int = 20) -> dict:
+    """One problem: start with a, then one or two changes (+/-), never below zero."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    value = rng.randint(2, max_value)
+    sentences = [f"{name} has {value} {item}."]
+    reasoning = []
+    for _ in range(rng.choice((1, 2))):
+        if rng.random() < 0.5 or value < 2:
+            change = rng.randint(1, max_value)
+            sentences.append(f"{name} gets {change} more.")
+            reasoning.append(f"{value} + {change} = <<{value}+{change}={value + change}>>{value + change}")
+            value += change
+        else:
+            change = rng.randint(1, value - 1)
+            sentences.append(f"{name} gives away {change}.")
+            reasoning.append(f"{value} - {change} = <<{value}-{change}={value - change}>>{value - change}")
+            value -= change
+    question = " ".join(sentences) + f" How many {item} does {name} have now?"
+    answer = "\n".join(reasoning) + f"\n#### {value}"
+    return {"question": question, "answer": answer}
+
+
+def write_synthetic_gsm8k(data_dir, num_train: int = 2000, num_test: int = 200, seed: int = 0, max_value: int = 20) -> Path:
+    """Write train.jsonl and test.jsonl with disjoint questions; returns the folder."""
+    rng = random.Random(seed)
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    seen, rows = set(), []
+    attempts = 0
+    while len(rows) < num_train + num_test:
+        attempts += 1
+        if attempts > 100 * (num_train + num_test):
+            raise ValueError(f"cannot draw {num_train + num_test} distinct problems with max_value {max_value}")
+        problem = make_problem(rng, max_value)
+        if problem["question"] not in seen:
+            seen.add(problem["question"])
+            rows.append(problem)
+    for split, part in (("train", rows[:num_train]), ("test", rows[num_train:])):
+        with open(data_dir / f"{split}.jsonl", "w", encoding="utf-8") as handle:
+            for row in part:
+                handle.write(json.dumps(row) + "\n")
+    return data_dir
+
+
+def tokenizer_corpus(data_dir) -> list[str]:
+    """Texts to train the demo tokenizer on: prompts and SFT completions of train."""
+    from alignment.data import Gsm8kDataset
+
+    dataset = Gsm8kDataset("train", data_dir)
+    return [prompt + completion for prompt, completion, _ in dataset]

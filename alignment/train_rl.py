@@ -1,0 +1,430 @@
+"""GRPO-style RL on GSM8K, starting from the SFT checkpoint.
+
+    python -m alignment.train_rl                                  # seed: 8 GPUs, roles on cuda:7/6/5
+    python -m alignment.train_rl --layout auto --loss_type grpo_clip --group_size 8
+    python -m alignment.train_rl --layout auto --rollout_backend hf   # no vLLM needed
+    tensorboard --logdir runs
+
+If --checkpoint_path already holds weights, the script only evaluates that
+checkpoint; otherwise it trains from the SFT checkpoint (--sft_checkpoint_path,
+default: train_sft's --checkpoint_path). Four roles, one device each (seed): a
+vLLM rollout sampler, a frozen reference model, an evaluation engine, and the
+trainable policy with its layers spread over the remaining GPUs
+(`partition_model_across_devices`). Each step: sample group_size responses per
+prompt, grade them with r1_zero_reward_fn, normalise rewards within each group,
+compute per-token log-probs of the responses, take a policy-gradient step.
+
+Where this departs from the seed, each one flag away from the seed's behaviour:
+- rollouts follow the policy: weights are copied into the sampler every
+  --rollout_sync_every steps (0 = the seed's sampler frozen at the start);
+- grpo_clip's old policy is the policy that sampled the batch (--old_policy
+  rollout, PPO); --old_policy reference compares against the frozen reference
+  model as the seed did. With one optimizer step per rollout batch the old
+  log-probs are the policy's own, detached (ratio 1, no extra forward);
+- log-probs score the next token (labels shifted by one) and are computed with a
+  fused, chunked lm_head + log-softmax (--logprob_chunk_size 0 = naive);
+- evaluation syncs the sampler and evaluates there (--eval_engine sampler);
+  --eval_engine fresh saves to --tmp_checkpoint_path and starts a new vLLM
+  engine on --eval_device, as the seed did;
+- additions: --kl_coef (k3 KL to the reference; mean KL is logged either way),
+  --length_normalization constant (Dr. GRPO), --cliprange_high (DAPO),
+  --epochs_per_rollout_batch / --train_batch_size, --layout auto, resumable
+  training state (--save_state_every, --resume), non-finite steps skipped.
+"""
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.tensorboard import SummaryWriter
+
+from alignment.args import build_sft_parser, check_checkpoint, has_weights, model_context_length, parse_rl_args
+from alignment.checkpoint import load_training_state, recover_checkpoint, save_model_atomically, save_training_state
+from alignment.data import Gsm8kDataset
+from alignment.devices import format_role_table, place_model, resolve_dtype, resolve_role_devices
+from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
+from alignment.errors import UserError, run_cli
+from alignment.evaluate import evaluate_math, format_metrics_table, write_json, write_jsonl
+from alignment.grpo import advantages_from_scores, grpo_microbatch_train_step
+from alignment.optim import build_optimizer, build_scheduler
+from alignment.rollout import HfEngine, SamplingSettings, VllmEngine, build_engine, load_hf_model, load_tokenizer
+from alignment.sft_helpers import get_response_log_probs, tokenize_rollouts
+
+
+# ------------------------------------------------------------------ the step
+
+
+def sample_rollouts(engine, prompts, ground_truths, group_size, sampling, seed):
+    """Repeat each prompt group_size times (seed) and sample one response each."""
+    grouped_prompts = [p for p in prompts for _ in range(group_size)]
+    grouped_ground_truths = [gt for gt in ground_truths for _ in range(group_size)]
+    torch.manual_seed(seed)  # the HF backend samples from torch's RNG: same step, same rollouts
+    generations = engine.generate(grouped_prompts, sampling)
+    return grouped_prompts, grouped_ground_truths, generations
+
+
+@torch.no_grad()
+def score_with(model, batch, rows_per_chunk, main_device, chunk_size):
+    """(N, T) log-probs of every rollout under `model`, no grad, kept on the CPU.
+
+    Used for the frozen reference model (on its own device: only the (B, T)
+    result moves, never logits) and for the pre-update policy.
+    """
+    device = model.get_input_embeddings().weight.device
+    result = torch.zeros(batch["labels"].shape, dtype=torch.float32)
+    with torch.inference_mode():
+        for rows in _chunks(list(range(result.shape[0])), rows_per_chunk):
+            width = max(batch["lengths"][row] for row in rows)
+            log_probs = get_response_log_probs(model, batch["input_ids"][rows, :width].to(device), batch["labels"][rows, :width].to(device), chunk_size=chunk_size)["log_probs"]
+            result[rows, :width] = log_probs.float().cpu()
+    return result
+
+
+def update_policy(model, optimizer, scheduler, batch, args, main_device):
+    """All optimizer steps for one rollout batch; returns summed metrics.
+
+    `batch` holds (N, T) input_ids / labels / response_mask / ref_log_probs and
+    (N,) raw_rewards and advantages for the N rollouts, plus old_log_probs when
+    grpo_clip needs them from a separate pass. Microbatches of
+    --train_mini_batch_size are accumulated into optimizer steps of
+    --train_batch_size, for --epochs_per_rollout_batch passes. Rows are
+    length-sorted within each optimizer step so microbatches carry little padding
+    (equal-size microbatches: the summed gradient does not depend on the order).
+    """
+    n_rollouts = batch["input_ids"].shape[0]
+    lengths = batch["lengths"]
+    totals = {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "optimizer_steps": 0, "skipped_steps": 0, "microbatches": 0}
+    generator = torch.Generator().manual_seed(args.seed)
+    for _ in range(args.epochs_per_rollout_batch):
+        order = torch.randperm(n_rollouts, generator=generator).tolist() if args.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
+        for step_rows in _chunks(order, args.train_batch_size):
+            step_rows = sorted(step_rows, key=lambda row: lengths[row])
+            finite = True
+            for rows in _chunks(step_rows, args.train_mini_batch_size):
+                width = max(lengths[row] for row in rows)
+                input_ids, labels, mask, ref = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels", "response_mask", "ref_log_probs"))
+                out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=args.logprob_chunk_size)
+                log_probs = out["log_probs"]
+                old = None
+                if args.loss_type == "grpo_clip":
+                    if args.old_policy == "reference":
+                        old = ref  # the seed: ratio against the frozen start checkpoint
+                    elif "old_log_probs" in batch:
+                        old = batch["old_log_probs"][rows, :width].to(main_device)
+                    else:
+                        old = log_probs.detach()  # one step on fresh rollouts: the sampler's policy is this one
+                loss, meta = grpo_microbatch_train_step(
+                    log_probs, mask, args.gradient_accumulation_steps, args.loss_type,
+                    raw_rewards=batch["raw_rewards"][rows, None].to(main_device),
+                    advantages=batch["advantages"][rows, None].to(main_device),
+                    old_log_probs=old, cliprange=args.cliprange, cliprange_high=args.cliprange_high,
+                    length_normalization=args.length_normalization, normalize_constant=args.length_normalization_constant,
+                    kl_coef=args.kl_coef, ref_log_probs=ref,
+                )
+                finite = finite and bool(torch.isfinite(loss))
+                token_count = mask.sum().clamp(min=1)
+                totals["loss"] += loss.item()
+                totals["entropy"] += ((out["token_entropy"] * mask).sum() / token_count).item()
+                totals["clip_fraction"] += meta.get("clip_fraction", torch.zeros(())).item()
+                totals["kl_ref"] += meta["kl"].item()
+                totals["tokens"] += sum(lengths[row] for row in rows)
+                totals["microbatches"] += 1
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            if finite and torch.isfinite(grad_norm):
+                optimizer.step()
+                scheduler.step()
+                totals["grad_norm"] += grad_norm.item()
+                totals["optimizer_steps"] += 1
+            else:
+                totals["skipped_steps"] += 1  # never write NaN/inf into the weights
+            optimizer.zero_grad(set_to_none=True)
+    return totals
+
+
+def _chunks(items, size):
+    return [items[start : start + size] for start in range(0, len(items), size)]
+
+
+# --------------------------------------------------------------- evaluation
+
+
+def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, main_device):
+    """Evaluate the current policy; returns the metrics dict (with samples)."""
+    sampling = SamplingSettings.from_args(args, "eval_")
+    if args.rollout_backend == "hf":
+        eval_engine = HfEngine(model, tokenizer, batch_size=args.hf_batch_size)
+    elif args.eval_engine == "sampler" and args.rollout_sync_every == 1:
+        engine.load_weights(_named_weights(model))  # the sampler now holds the current policy
+        eval_engine = engine
+    else:  # the seed's path: save, then a temporary vLLM engine on the eval device
+        save_model_atomically(model, tokenizer, args.tmp_checkpoint_path)
+        eval_engine = VllmEngine(args.tmp_checkpoint_path, args.eval_device, dtype=str(resolve_dtype(args.dtype, args.eval_device)).removeprefix("torch."), seed=args.seed,
+                                 gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb, enforce_eager=args.vllm_enforce_eager,
+                                 shares_gpu=args.eval_device in (args.sample_device, args.reference_model_device, main_device))
+    torch.manual_seed(args.seed)
+    metrics = evaluate_math(eval_engine, r1_zero_reward_fn, eval_set.prompts, eval_set.ground_truths, sampling)
+    if eval_engine is not engine and isinstance(eval_engine, VllmEngine):
+        eval_engine.close()
+    for key in ("avg_all_rewards", "format_reward", "answer_reward", "mean_response_tokens"):
+        writer.add_scalar(f"eval/{key}", metrics[key], step)
+    shown = metrics["samples"][: args.num_logged_rollouts]
+    if shown:
+        writer.add_text("eval/samples", "\n\n---\n\n".join(
+            f"**reward {s['reward']:.0f}** (truth {s['ground_truth']})\n\n```\n{s['response']}\n```" for s in shown), step)
+    print(f"eval step {step}: accuracy {metrics['avg_all_rewards']:.3f} format {metrics['format_reward']:.3f} "
+          f"response tokens {metrics['mean_response_tokens']:.0f} ({metrics['num_examples']} examples, {metrics['seconds']:.1f}s)")
+    return metrics
+
+
+def _named_weights(model):
+    """(name, tensor) pairs in checkpoint naming, what vLLM's load_weights expects."""
+    return ((name, tensor.detach()) for name, tensor in model.state_dict().items())
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def train(args, base_model_checkpoint_path) -> dict:
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    num_layers = json.loads((Path(base_model_checkpoint_path) / "config.json").read_text())["num_hidden_layers"]
+    roles = resolve_role_devices(args, num_layers)
+    main_device = roles["policy_main"]
+    dtype = resolve_dtype(args.dtype, main_device)
+    print("role -> device\n" + format_role_table(roles))
+
+    state = load_training_state(args.state_dir) if args.resume else None
+    if args.resume and state is None:
+        print(f"--resume: no training state in {args.state_dir}; starting from the SFT checkpoint")
+
+    # init order (seed): writer, sampler, tokenizer, policy, reference, data, optimizer
+    writer = SummaryWriter(f"{args.log_dir}/{args.run_name}", purge_step=state["step"] + 1 if state else None)
+    start_weights = state["policy_path"] if state else base_model_checkpoint_path
+    if args.rollout_backend == "vllm":
+        policy_gpus = set(roles["policy_layers"]) | {main_device, args.reference_model_device}
+        engine = VllmEngine(start_weights, args.sample_device, dtype=str(resolve_dtype(args.dtype, args.sample_device)).removeprefix("torch."), seed=args.seed,
+                            gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
+                            enforce_eager=args.vllm_enforce_eager, shares_gpu=args.sample_device in policy_gpus)
+        print(f"vLLM sampler on {args.sample_device} started in {engine.start_seconds:.1f}s")
+    tokenizer = load_tokenizer(args.model or base_model_checkpoint_path)
+    model = load_hf_model(start_weights, "cpu", dtype)
+    place_model(model, main_device, roles["policy_layers"])
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    reference_model = load_hf_model(base_model_checkpoint_path, args.reference_model_device, dtype).eval().requires_grad_(False)
+    if args.rollout_backend == "hf":
+        # sync every step: sample with the policy itself; otherwise a copy that lags
+        sampler_model = model if args.rollout_sync_every == 1 else load_hf_model(start_weights, args.sample_device, dtype)
+        engine = HfEngine(sampler_model, tokenizer, batch_size=args.hf_batch_size)
+
+    dataset = Gsm8kDataset("train", args.data_dir, limit=args.num_train_examples)
+    eval_set = Gsm8kDataset(args.eval_split, args.data_dir, limit=args.eval_num_examples)
+    if len(dataset) < args.rollout_batch_size:
+        raise UserError(f"--rollout_batch_size {args.rollout_batch_size} exceeds the {len(dataset)} training prompts")
+    steps_per_epoch = len(dataset) // args.rollout_batch_size
+    total_steps = min(args.max_steps or steps_per_epoch * args.num_epochs, steps_per_epoch * args.num_epochs)
+    optimizer = build_optimizer(model, args.learning_rate, args.weight_decay, args.adam_betas)
+    optimizer_steps_total = total_steps * args.epochs_per_rollout_batch * (args.total_rollouts // args.train_batch_size)
+    scheduler = build_scheduler(optimizer, args.warmup_steps, optimizer_steps_total)
+
+    step, epoch, batch_in_epoch, skipped_in_a_row, skipped_total = 0, 0, 0, 0, 0
+    policy_version, sampler_version = 0, 0
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        skipped_total = state["skipped_steps"]
+        policy_version = sampler_version = state["policy_version"]
+        print(f"resumed from {args.state_dir} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
+
+    rollout_sampling = SamplingSettings.from_args(args, "sampling_")
+    single_step_per_batch = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.total_rollouts
+    eval_metrics = {}
+    while step < total_steps:
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        loader = DataLoader(dataset, batch_size=args.rollout_batch_size, sampler=order[batch_in_epoch * args.rollout_batch_size :], drop_last=True)
+        for prompts, _sft_completions, ground_truths in loader:  # completions are unused in RL (seed)
+            step += 1
+            batch_in_epoch += 1
+            timings = {}
+            step_started = time.perf_counter()
+
+            # 1. rollouts follow the policy: copy weights in when the sampler lags
+            started = time.perf_counter()
+            if args.rollout_sync_every and policy_version - sampler_version >= args.rollout_sync_every:
+                engine.load_weights(_named_weights(model))
+                sampler_version = policy_version
+            timings["sync"] = time.perf_counter() - started
+
+            # 2. sample group_size responses per prompt
+            started = time.perf_counter()
+            grouped_prompts, grouped_truths, generations = sample_rollouts(engine, list(prompts), list(ground_truths), args.group_size, rollout_sampling, args.seed * 100003 + step)
+            responses = [g.text for g in generations]
+            timings["rollout"] = time.perf_counter() - started
+            generated_tokens = sum(g.num_tokens for g in generations)
+
+            # 3. rewards, then advantages normalised within each prompt's group
+            started = time.perf_counter()
+            scores = grade_responses(responses, grouped_truths)
+            advantages, raw_rewards, reward_meta = advantages_from_scores(scores, args.group_size, args.advantage_eps, args.use_std_normalization)
+            timings["reward"] = time.perf_counter() - started
+
+            # 4. tokenize prompt + full text; the mask keeps generated tokens only
+            batch = {**tokenize_rollouts(grouped_prompts, responses, tokenizer), "raw_rewards": raw_rewards, "advantages": advantages}
+            batch["lengths"] = sequence_lengths(batch["response_mask"])
+
+            # 5. log-probs that stay fixed during the update: the frozen reference
+            #    (on its own device, inference mode), and the pre-update policy when
+            #    grpo_clip takes more than one optimizer step on this batch
+            started = time.perf_counter()
+            batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, args.logprob_chunk_size)
+            if args.loss_type == "grpo_clip" and args.old_policy == "rollout" and not single_step_per_batch:
+                batch["old_log_probs"] = score_with(model, batch, args.train_mini_batch_size, main_device, args.logprob_chunk_size)
+            timings["logprobs"] = time.perf_counter() - started
+
+            # 6. policy-gradient update: log-probs, loss, backward, clip, step
+            started = time.perf_counter()
+            totals = update_policy(model, optimizer, scheduler, batch, args, main_device)
+            timings["update"] = time.perf_counter() - started
+            if totals["optimizer_steps"]:
+                policy_version += 1
+            skipped_total += totals["skipped_steps"]
+            skipped_in_a_row = skipped_in_a_row + 1 if totals["skipped_steps"] and not totals["optimizer_steps"] else 0
+            if skipped_in_a_row >= args.max_skipped_steps:
+                raise UserError(
+                    f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient (step {step}); "
+                    f"stopped with the last good weights untouched ({args.checkpoint_path} / {args.state_dir}); lower --learning_rate or check the data"
+                )
+
+            # 7. periodic evaluation
+            timings["eval"] = 0.0
+            if args.evaluate_freq and step % args.evaluate_freq == 0:
+                started = time.perf_counter()
+                eval_metrics = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, main_device)
+                if args.rollout_backend == "vllm" and args.eval_engine == "sampler" and args.rollout_sync_every == 1:
+                    sampler_version = policy_version
+                timings["eval"] = time.perf_counter() - started
+
+            timings["step"] = time.perf_counter() - step_started
+            _log_step(writer, args, step, total_steps, reward_meta, totals, timings, generated_tokens, len(responses), skipped_total, scheduler)
+
+            if args.save_state_every and step % args.save_state_every == 0:
+                save_training_state(args.state_dir, model, tokenizer, optimizer, scheduler, {
+                    "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+                    "skipped_steps": skipped_total, "policy_version": policy_version,
+                })
+            if step >= total_steps:
+                break
+        if batch_in_epoch == steps_per_epoch:
+            # a full pass over the data: save the policy (seed), start the next epoch
+            save_model_atomically(model, tokenizer, args.checkpoint_path)
+            print(f"epoch {epoch} done: saved policy to {args.checkpoint_path}")
+            epoch += 1
+            batch_in_epoch = 0
+
+    if not (args.evaluate_freq and step % args.evaluate_freq == 0):
+        eval_metrics = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, main_device)
+    if batch_in_epoch:  # stopped mid-epoch (--max_steps): save what we have
+        save_model_atomically(model, tokenizer, args.checkpoint_path)
+        print(f"saved RL checkpoint to {args.checkpoint_path}")
+    run_dir = Path(args.log_dir) / args.run_name
+    write_jsonl(run_dir / "final_eval_samples.jsonl", eval_metrics.pop("samples", []))
+    write_json(run_dir / "final_eval_metrics.json", {**eval_metrics, "step": step, "skipped_steps": skipped_total})
+    writer.close()
+    engine.close()
+    return eval_metrics
+
+
+def sequence_lengths(mask) -> list[int]:
+    """Length of each right-padded row up to its last response token (for trimming)."""
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
+    return (last + 1).clamp(min=1).tolist()
+
+
+def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, generated_tokens, n_rollouts, skipped_total, scheduler):
+    microbatches = max(totals["microbatches"], 1)
+    optimizer_steps = max(totals["optimizer_steps"], 1)
+    scalars = {
+        "train/reward": reward_meta["reward_mean"],
+        "train/format_reward": reward_meta["format_reward_mean"],
+        "train/answer_reward": reward_meta["answer_reward_mean"],
+        "train/reward_std": reward_meta["reward_std"],
+        "train/fraction_groups_all_equal": reward_meta["fraction_groups_all_equal"],
+        "train/loss": totals["loss"] / max(args.epochs_per_rollout_batch * (args.total_rollouts // args.train_batch_size), 1),
+        "train/grad_norm": totals["grad_norm"] / optimizer_steps,
+        "train/entropy": totals["entropy"] / microbatches,
+        "train/clip_fraction": totals["clip_fraction"] / microbatches,
+        "train/kl_ref": totals["kl_ref"] / microbatches,
+        "train/response_length": generated_tokens / n_rollouts,
+        "train/lr": scheduler.get_last_lr()[0],
+        "train/skipped_steps": skipped_total,
+        "perf/rollout_tokens_per_s": generated_tokens / max(timings["rollout"], 1e-9),
+        "perf/train_tokens_per_s": totals["tokens"] / max(timings["update"], 1e-9),
+        "perf/step_seconds": timings["step"],
+    }
+    for key in ("rollout", "reward", "logprobs", "update", "sync", "eval"):
+        scalars[f"perf/{key}_seconds"] = timings[key]
+    for key, value in scalars.items():
+        writer.add_scalar(key, value, step)
+    if step % args.log_every == 0 or step == total_steps:
+        print(
+            f"step {step}/{total_steps} reward {scalars['train/reward']:.3f} format {scalars['train/format_reward']:.3f} "
+            f"answer {scalars['train/answer_reward']:.3f} loss {scalars['train/loss']:+.4f} kl {scalars['train/kl_ref']:.4f} "
+            f"clip {scalars['train/clip_fraction']:.3f} resp_tokens {scalars['train/response_length']:.0f} "
+            f"rollout_tok/s {scalars['perf/rollout_tokens_per_s']:.0f} train_tok/s {scalars['perf/train_tokens_per_s']:.0f} "
+            f"{timings['step']:.1f}s" + (f" skipped {skipped_total}" if skipped_total else ""),
+            flush=True,
+        )
+
+
+# ----------------------------------------------------------------- entry
+
+
+def evaluate_only(args) -> dict:
+    """The seed's rule: an existing RL checkpoint is evaluated, never retrained."""
+    print(f"{args.checkpoint_path} already holds weights: evaluating it (no training)")
+    device = args.eval_device if args.layout == "explicit" else resolve_role_devices(args, 1)["eval"]
+    dtype = resolve_dtype(args.dtype, device)
+    engine = build_engine(args.rollout_backend, args.checkpoint_path, device, dtype, args.seed, args)
+    eval_set = Gsm8kDataset(args.eval_split, args.data_dir, limit=args.eval_num_examples)
+    torch.manual_seed(args.seed)
+    metrics = evaluate_math(engine, r1_zero_reward_fn, eval_set.prompts, eval_set.ground_truths, SamplingSettings.from_args(args, "eval_"))
+    engine.close()
+    run_dir = Path(args.log_dir) / args.run_name
+    write_jsonl(run_dir / "eval_only_samples.jsonl", metrics.pop("samples"))
+    write_json(run_dir / "eval_only_metrics.json", {**metrics, "checkpoint_path": str(args.checkpoint_path)})
+    writer = SummaryWriter(str(run_dir))
+    for key in ("avg_all_rewards", "format_reward", "answer_reward", "mean_response_tokens"):
+        writer.add_scalar(f"eval_only/{key}", metrics[key], 0)
+    writer.close()
+    print(format_metrics_table(metrics, f"{args.checkpoint_path} on {args.eval_split}"))
+    return metrics
+
+
+def main(argv=None) -> dict:
+    args = parse_rl_args(argv)
+    sft_args = build_sft_parser().parse_args([])  # the seed parses both; RL starts where SFT saved
+    base_model_checkpoint_path = args.sft_checkpoint_path or sft_args.checkpoint_path
+    recover_checkpoint(args.checkpoint_path)
+    if has_weights(args.checkpoint_path) and not args.resume:
+        check_checkpoint(args.checkpoint_path, "--checkpoint_path", "remove it to train again")
+        return evaluate_only(args)
+    check_checkpoint(base_model_checkpoint_path, "--sft_checkpoint_path", "run `python -m alignment.train_sft` first or pass --sft_checkpoint_path")
+    if not Path(base_model_checkpoint_path).is_dir():
+        raise UserError(f"--sft_checkpoint_path {base_model_checkpoint_path} must be a local folder (train_rl reads its config and loads it into vLLM)")
+    context = model_context_length(base_model_checkpoint_path)
+    for flag in ("sampling_max_tokens", "eval_max_tokens"):
+        if context and getattr(args, flag) >= context:
+            raise UserError(f"--{flag} {getattr(args, flag)} leaves no room for the prompt in the model's {context}-token context; lower it")
+    return train(args, base_model_checkpoint_path)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,131 @@
+"""Supervised fine-tuning on GSM8K r1_zero completions; produces RL's base policy.
+
+    python -m alignment.train_sft --model Qwen/Qwen2.5-Math-1.5B --checkpoint_path checkpoints/sft
+
+Loss: negative log-likelihood of the completion tokens only (prompt masked), summed
+per sequence and divided by `--normalize_constant` (CS336 convention), averaged
+over the batch, accumulated over microbatches. AdamW, clip 1.0, warm-up then
+cosine. bf16 on GPU, fp32 on CPU. The checkpoint is an ordinary Hugging Face
+folder written atomically; `train_rl` starts from it.
+
+TensorBoard (runs/<run_name>/): train/loss, train/nll_per_token, train/lr,
+train/grad_norm, train/tokens_per_s, eval/*.
+"""
+
+import random
+import time
+
+import torch
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+from alignment.args import check_checkpoint, parse_sft_args
+from alignment.checkpoint import save_model_atomically
+from alignment.data import Gsm8kDataset
+from alignment.devices import resolve_device, resolve_dtype
+from alignment.drgrpo_grader import r1_zero_reward_fn
+from alignment.errors import UserError, run_cli
+from alignment.evaluate import evaluate_math
+from alignment.optim import build_optimizer, build_scheduler
+from alignment.rollout import HfEngine, SamplingSettings, load_hf_model, load_tokenizer
+from alignment.sft_helpers import get_response_log_probs, sft_microbatch_train_step, tokenize_prompt_and_output
+
+
+def evaluate_sft(model, tokenizer, args, writer, step) -> dict:
+    dataset = Gsm8kDataset("test", args.data_dir, limit=args.eval_num_examples)
+    engine = HfEngine(model, tokenizer, batch_size=64)
+    sampling = SamplingSettings(temperature=0.0, max_tokens=args.eval_max_tokens, repetition_penalty=1.0)
+    metrics = evaluate_math(engine, r1_zero_reward_fn, dataset.prompts, dataset.ground_truths, sampling)
+    for key in ("avg_all_rewards", "format_reward", "answer_reward", "mean_response_tokens"):
+        writer.add_scalar(f"eval/{key}", metrics[key], step)
+    print(f"eval step {step}: accuracy {metrics['avg_all_rewards']:.3f} format {metrics['format_reward']:.3f} ({metrics['num_examples']} examples)")
+    return metrics
+
+
+def train(args) -> dict:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    writer = SummaryWriter(f"{args.log_dir}/{args.run_name}")
+    tokenizer = load_tokenizer(args.model)
+    model = load_hf_model(args.model, device, dtype)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+
+    dataset = Gsm8kDataset("train", args.data_dir, limit=args.num_train_examples)
+    lengths = [len(ids) for ids in tokenizer([p + c for p, c in zip(dataset.prompts, dataset.completions)])["input_ids"]]
+    examples = [i for i, n in enumerate(lengths) if n <= args.max_seq_len]
+    if len(examples) < len(dataset):
+        print(f"dropped {len(dataset) - len(examples)} examples longer than --max_seq_len {args.max_seq_len}")
+    if len(examples) < args.batch_size:
+        raise UserError(f"--batch_size {args.batch_size} exceeds the {len(examples)} usable training examples")
+    steps_per_epoch = len(examples) // args.batch_size
+    total_steps = min(args.max_steps or steps_per_epoch * args.num_epochs, steps_per_epoch * args.num_epochs)
+
+    optimizer = build_optimizer(model, args.learning_rate, args.weight_decay)
+    scheduler = build_scheduler(optimizer, args.warmup_steps, total_steps, args.lr_schedule)
+    order_rng = random.Random(args.seed)
+    step, metrics = 0, {}
+    progress = tqdm(total=total_steps, desc="sft", unit="step", dynamic_ncols=True)
+    for epoch in range(args.num_epochs):
+        order = examples[:]
+        order_rng.shuffle(order)
+        for batch_start in range(0, steps_per_epoch * args.batch_size, args.batch_size):
+            if step >= total_steps:
+                break
+            started = time.perf_counter()
+            # sort the step's examples by length so microbatches carry little padding;
+            # equal-size microbatches make the summed gradient independent of order
+            batch = sorted(order[batch_start : batch_start + args.batch_size], key=lambda i: lengths[i])
+            loss_total, nll_total, token_total = 0.0, 0.0, 0
+            for micro_start in range(0, len(batch), args.microbatch_size):
+                indices = batch[micro_start : micro_start + args.microbatch_size]
+                tokens = tokenize_prompt_and_output([dataset.prompts[i] for i in indices], [dataset.completions[i] for i in indices], tokenizer)
+                input_ids, labels, mask = (tokens[k].to(device) for k in ("input_ids", "labels", "response_mask"))
+                log_probs = get_response_log_probs(model, input_ids, labels, chunk_size=args.logprob_chunk_size)["log_probs"]
+                loss, meta = sft_microbatch_train_step(log_probs, mask, args.gradient_accumulation_steps, args.normalize_constant)
+                loss_total += loss.item()
+                nll_total += -(log_probs.detach() * mask).sum().item()
+                token_total += int(meta["num_response_tokens"])
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            seconds = time.perf_counter() - started
+            scalars = {
+                "train/loss": loss_total,
+                "train/nll_per_token": nll_total / max(token_total, 1),
+                "train/lr": scheduler.get_last_lr()[0],
+                "train/grad_norm": grad_norm,
+                "train/tokens_per_s": token_total / seconds,
+            }
+            for key, value in scalars.items():
+                writer.add_scalar(key, value, step)
+            progress.update(1)
+            if step % args.log_every == 0 or step == total_steps:
+                tqdm.write(
+                    f"step {step}/{total_steps} epoch {epoch} loss {loss_total:.4f} nll/token {scalars['train/nll_per_token']:.4f} "
+                    f"lr {scalars['train/lr']:.2e} grad_norm {grad_norm:.3f} tokens/s {scalars['train/tokens_per_s']:.0f}"
+                )
+            if args.eval_every and step % args.eval_every == 0 and step < total_steps:
+                evaluate_sft(model, tokenizer, args, writer, step)
+    progress.close()
+    metrics = evaluate_sft(model, tokenizer, args, writer, step)
+    save_model_atomically(model, tokenizer, args.checkpoint_path)
+    print(f"saved SFT checkpoint to {args.checkpoint_path}")
+    writer.close()
+    metrics.pop("samples", None)
+    return metrics
+
+
+def main(argv=None) -> dict:
+    args = parse_sft_args(argv)
+    check_checkpoint(args.model, "--model", "pass a local checkpoint folder or a hub id such as Qwen/Qwen2.5-Math-1.5B")
+    return train(args)
+
+
+if __name__ == "__main__":
+    run_cli(main)
