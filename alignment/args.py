@@ -167,6 +167,7 @@ def validate_rl_args(args) -> None:
     """Derived values and checks that need no model. Raises UserError."""
     if args.loss_type == "no_baseline":
         args.group_size = 1  # the seed forces it: raw rewards need no group
+        args.use_std_normalization = False  # advantages are unused; a group of one has no std
     elif args.group_size < 2:
         raise UserError(f"--group_size {args.group_size} with --loss_type {args.loss_type}: a group of one has zero advantage; use --group_size >= 2 or --loss_type no_baseline")
     total_rollouts = args.rollout_batch_size * args.group_size

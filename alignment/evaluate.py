@@ -11,6 +11,9 @@ call `evaluate_math` with their own engines.
 """
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from alignment.args import check_checkpoint, parse_eval_args
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
-from alignment.errors import run_cli
+from alignment.errors import UserError, run_cli
 from alignment.rollout import SamplingSettings, build_engine
 
 
@@ -72,6 +75,36 @@ def write_json(path, value) -> None:
     temp = path.with_name(path.name + ".tmp")
     temp.write_text(json.dumps(value, indent=2) + "\n")
     temp.replace(path)
+
+
+def evaluate_in_subprocess(model_path, args, output_dir) -> dict:
+    """Run this module's CLI on `model_path` in a child process (vLLM on --eval_device).
+
+    `args` carries train_rl's eval flags. Returns the metrics with `samples`.
+    """
+    repo_root = Path(__file__).resolve().parent.parent
+    command = [
+        sys.executable, "-m", "alignment.evaluate", "--model_path", str(model_path), "--backend", "vllm",
+        "--device", args.eval_device, "--dtype", args.dtype, "--split", args.eval_split, "--data_dir", str(Path(args.data_dir).resolve()),
+        "--output_dir", str(Path(output_dir).resolve()), "--seed", str(args.seed),
+        "--temperature", str(args.eval_temperature), "--top_p", str(args.eval_top_p),
+        "--min_tokens", str(args.eval_min_tokens), "--max_tokens", str(args.eval_max_tokens),
+        "--repetition_penalty", str(args.repetition_penalty), "--vllm_kv_cache_gb", str(args.vllm_kv_cache_gb),
+    ]
+    if args.eval_num_examples:
+        command += ["--num_examples", str(args.eval_num_examples)]
+    if args.vllm_gpu_memory_utilization:
+        command += ["--vllm_gpu_memory_utilization", str(args.vllm_gpu_memory_utilization)]
+    if args.vllm_enforce_eager:
+        command.append("--vllm_enforce_eager")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(command, cwd=repo_root, env=env)
+    if result.returncode:
+        raise UserError(f"evaluation of {model_path} on {args.eval_device} failed (exit {result.returncode}); its output is above")
+    metrics = json.loads((Path(output_dir) / "metrics.json").read_text())
+    with open(Path(output_dir) / "samples.jsonl", encoding="utf-8") as handle:
+        metrics["samples"] = [json.loads(line) for line in handle]
+    return metrics
 
 
 def format_metrics_table(metrics: dict, title: str) -> str:

@@ -46,6 +46,7 @@ class SamplingSettings:
 class Generation:
     text: str
     num_tokens: int
+    token_ids: list[int]
 
 
 def truncate_at_stop(text: str, stop: tuple[str, ...]) -> str:
@@ -116,7 +117,7 @@ class HfEngine:
                     if pad_id in row:  # finished rows are padded after their last token
                         row = row[: row.index(pad_id)]
                     text = truncate_at_stop(self.tokenizer.decode(row, skip_special_tokens=True), sampling.stop)
-                    outputs.append(Generation(text=text, num_tokens=len(row)))
+                    outputs.append(Generation(text=text, num_tokens=len(row), token_ids=row))
         finally:
             self.tokenizer.padding_side = padding_side
             self.model.train(was_training)
@@ -183,7 +184,7 @@ class VllmEngine:
             include_stop_str_in_output=True,
         )
         results = self.llm.generate(prompts, params, use_tqdm=False)
-        return [Generation(text=r.outputs[0].text, num_tokens=len(r.outputs[0].token_ids)) for r in results]
+        return [Generation(text=r.outputs[0].text, num_tokens=len(r.outputs[0].token_ids), token_ids=list(r.outputs[0].token_ids)) for r in results]
 
     def load_weights(self, named_tensors) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})

@@ -33,7 +33,9 @@ def make_problem(rng: random.Random, max_value: int = 20) -> dict:
             reasoning.append(f"{value} - {change} = <<{value}-{change}={value - change}>>{value - change}")
             value -= change
     question = " ".join(sentences) + f" How many {item} does {name} have now?"
-    answer = "\n".join(reasoning) + f"\n#### {value}"
+    # steps joined by ". " rather than newlines: every number then follows a space
+    # and is the same BPE token wherever it appears, which a tiny model copies easily
+    answer = ". ".join(reasoning) + f".\n#### {value}"
     return {"question": question, "answer": answer}
 
 

@@ -12,7 +12,7 @@ configuration"), so every config here keeps hidden_size / num_attention_heads = 
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
 from alignment.data import R1_ZERO_PROMPT
@@ -20,10 +20,14 @@ from alignment.data import R1_ZERO_PROMPT
 END_OF_TEXT = "<|endoftext|>"
 
 
-def train_byte_level_tokenizer(texts, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def train_byte_level_tokenizer(texts, vocab_size: int = 512, whole_tokens=()) -> PreTrainedTokenizerFast:
     """A GPT-2 style byte-level BPE tokenizer; `<|endoftext|>` is eos and pad.
 
     Any string round-trips (byte-level), so model outputs never hit unknown tokens.
+    `whole_tokens` are strings encoded as one token each wherever they occur
+    (the demo passes the fixed parts of the r1_zero prompt, so a tiny model spends
+    its compute on the question rather than on ~100 tokens of boilerplate; the
+    prompt text itself is unchanged).
     """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -36,6 +40,8 @@ def train_byte_level_tokenizer(texts, vocab_size: int = 512) -> PreTrainedTokeni
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    if whole_tokens:
+        tokenizer.add_tokens([AddedToken(text, normalized=False, special=False) for text in whole_tokens])
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=END_OF_TEXT,
@@ -79,7 +85,13 @@ def qwen2_5_math_1_5b_config() -> Qwen2Config:
     )
 
 
-def build_tiny_checkpoint(path, texts=None, vocab_size: int = 512, seed: int = 0, **config_overrides) -> Path:
+def r1_zero_template_pieces() -> tuple[str, str]:
+    """The r1_zero prompt's fixed text before and after `{question}`."""
+    before, after = R1_ZERO_PROMPT.split("{question}")
+    return before, after
+
+
+def build_tiny_checkpoint(path, texts=None, vocab_size: int = 512, seed: int = 0, whole_tokens=(), **config_overrides) -> Path:
     """Train a tokenizer on `texts`, build a random Qwen2, save both to `path`.
 
     `texts` defaults to the r1_zero prompt plus a few arithmetic lines, enough for
@@ -90,7 +102,7 @@ def build_tiny_checkpoint(path, texts=None, vocab_size: int = 512, seed: int = 0
     path = Path(path)
     if texts is None:
         texts = [R1_ZERO_PROMPT.replace("{question}", f"What is {a} plus {b}?") + f" {a} + {b} = {a + b} </think> <answer> {a + b} </answer>" for a in range(20) for b in range(5)]
-    tokenizer = train_byte_level_tokenizer(texts, vocab_size=vocab_size)
+    tokenizer = train_byte_level_tokenizer(texts, vocab_size=vocab_size, whole_tokens=whole_tokens)
     config = tiny_qwen2_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -48,7 +48,7 @@ from alignment.data import Gsm8kDataset
 from alignment.devices import format_role_table, place_model, resolve_dtype, resolve_role_devices
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
 from alignment.errors import UserError, run_cli
-from alignment.evaluate import evaluate_math, format_metrics_table, write_json, write_jsonl
+from alignment.evaluate import evaluate_in_subprocess, evaluate_math, format_metrics_table, write_json, write_jsonl
 from alignment.grpo import advantages_from_scores, grpo_microbatch_train_step
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.rollout import HfEngine, SamplingSettings, VllmEngine, build_engine, load_hf_model, load_tokenizer
@@ -152,23 +152,20 @@ def _chunks(items, size):
 # --------------------------------------------------------------- evaluation
 
 
-def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, main_device):
+def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step):
     """Evaluate the current policy; returns the metrics dict (with samples)."""
-    sampling = SamplingSettings.from_args(args, "eval_")
     if args.rollout_backend == "hf":
-        eval_engine = HfEngine(model, tokenizer, batch_size=args.hf_batch_size)
+        metrics = evaluate_math(HfEngine(model, tokenizer, batch_size=args.hf_batch_size), r1_zero_reward_fn,
+                                eval_set.prompts, eval_set.ground_truths, SamplingSettings.from_args(args, "eval_"))
     elif args.eval_engine == "sampler" and args.rollout_sync_every == 1:
         engine.load_weights(_named_weights(model))  # the sampler now holds the current policy
-        eval_engine = engine
-    else:  # the seed's path: save, then a temporary vLLM engine on the eval device
+        metrics = evaluate_math(engine, r1_zero_reward_fn, eval_set.prompts, eval_set.ground_truths, SamplingSettings.from_args(args, "eval_"))
+    else:
+        # the seed's path: save the policy, evaluate it with a temporary vLLM engine on
+        # the eval device. A child process, because vLLM keeps process-wide state:
+        # a second in-process engine, once closed, breaks the sampler.
         save_model_atomically(model, tokenizer, args.tmp_checkpoint_path)
-        eval_engine = VllmEngine(args.tmp_checkpoint_path, args.eval_device, dtype=str(resolve_dtype(args.dtype, args.eval_device)).removeprefix("torch."), seed=args.seed,
-                                 gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb, enforce_eager=args.vllm_enforce_eager,
-                                 shares_gpu=args.eval_device in (args.sample_device, args.reference_model_device, main_device))
-    torch.manual_seed(args.seed)
-    metrics = evaluate_math(eval_engine, r1_zero_reward_fn, eval_set.prompts, eval_set.ground_truths, sampling)
-    if eval_engine is not engine and isinstance(eval_engine, VllmEngine):
-        eval_engine.close()
+        metrics = evaluate_in_subprocess(args.tmp_checkpoint_path, args, Path(args.log_dir) / args.run_name / f"eval_step_{step}")
     for key in ("avg_all_rewards", "format_reward", "answer_reward", "mean_response_tokens"):
         writer.add_scalar(f"eval/{key}", metrics[key], step)
     shown = metrics["samples"][: args.num_logged_rollouts]
@@ -306,7 +303,7 @@ def train(args, base_model_checkpoint_path) -> dict:
             timings["eval"] = 0.0
             if args.evaluate_freq and step % args.evaluate_freq == 0:
                 started = time.perf_counter()
-                eval_metrics = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, main_device)
+                eval_metrics = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step)
                 if args.rollout_backend == "vllm" and args.eval_engine == "sampler" and args.rollout_sync_every == 1:
                     sampler_version = policy_version
                 timings["eval"] = time.perf_counter() - started
@@ -329,7 +326,7 @@ def train(args, base_model_checkpoint_path) -> dict:
             batch_in_epoch = 0
 
     if not (args.evaluate_freq and step % args.evaluate_freq == 0):
-        eval_metrics = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, main_device)
+        eval_metrics = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step)
     if batch_in_epoch:  # stopped mid-epoch (--max_steps): save what we have
         save_model_atomically(model, tokenizer, args.checkpoint_path)
         print(f"saved RL checkpoint to {args.checkpoint_path}")

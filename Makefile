@@ -1,0 +1,30 @@
+# Two commands do all the set-up on a fresh machine (Python 3.11+, no GPU needed):
+#   make demo   - the embedded default: SFT then RL on a tiny model, CPU, ~10 minutes
+#   make test   - the test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test install data clean
+
+$(VENV)/.installed: requirements-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-cpu.txt
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -c "import torch, transformers, vllm, math_verify; print('installed: torch', torch.__version__, '| vllm', vllm.__version__)"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m alignment.demo
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+data: install
+	$(PY) -m alignment.data download
+
+clean:
+	rm -rf runs/demo checkpoints/demo

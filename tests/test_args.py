@@ -1,0 +1,95 @@
+"""Every CLI rejects bad input before loading a model: one line, exit code 2."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from alignment import evaluate, train_rl, train_sft
+from alignment.args import parse_rl_args
+from alignment.errors import run_cli
+from alignment.synthetic_task import write_synthetic_gsm8k
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory):
+    return write_synthetic_gsm8k(tmp_path_factory.mktemp("data"), num_train=16, num_test=4)
+
+
+def _fails_with(main, argv, capsys, pattern):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err  # one line, no traceback
+    assert err.startswith("error: ")
+    assert pattern in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "flags, pattern",
+    [
+        (["--loss_type", "ppo"], "--loss_type: invalid choice: 'ppo'"),
+        (["--group_size", "0"], "--group_size: must be a positive integer"),
+        (["--rollout_batch_size", "-3"], "--rollout_batch_size: must be a positive integer"),
+        (["--learning_rate", "0"], "--learning_rate: must be a positive number"),
+        (["--sampling_top_p", "0"], "--sampling_top_p: must be in (0, 1]"),
+        (["--train_mini_batch_size", "3"], "--train_mini_batch_size 3 must divide --train_batch_size 256"),
+        (["--train_batch_size", "100"], "--train_batch_size 100 must divide the 256 rollouts"),
+        (["--group_size", "1", "--loss_type", "grpo_clip"], "--group_size 1 with --loss_type grpo_clip"),
+        (["--group_size", "1", "--loss_type", "reinforce_with_baseline"], "a group of one has zero advantage"),
+        (["--cliprange", "1.5"], "--cliprange 1.5 must be below 1"),
+        (["--sampling_min_tokens", "50", "--sampling_max_tokens", "10"], "--sampling_min_tokens 50 exceeds --sampling_max_tokens 10"),
+    ],
+)
+def test_rl_flag_validation(flags, pattern, capsys, toy_data):
+    _fails_with(train_rl.main, ["--data_dir", str(toy_data)] + flags, capsys, pattern)
+
+
+def test_rl_paths_devices_and_context(capsys, toy_data, tiny_checkpoint, tmp_path):
+    base = ["--data_dir", str(toy_data), "--checkpoint_path", str(tmp_path / "rl")]
+    _fails_with(train_rl.main, ["--data_dir", str(tmp_path / "missing")], capsys, "train.jsonl not found")
+    _fails_with(train_rl.main, base + ["--sft_checkpoint_path", str(tmp_path / "nope")], capsys, "does not exist; run `python -m alignment.train_sft` first")
+    (tmp_path / "empty").mkdir()
+    _fails_with(train_rl.main, base + ["--sft_checkpoint_path", str(tmp_path / "empty")], capsys, "is not a checkpoint")
+    _fails_with(train_rl.main, base + ["--sft_checkpoint_path", str(tiny_checkpoint), "--sampling_max_tokens", "4096"], capsys, "model's 1024-token context")
+    if not os.environ.get("CUDA_VISIBLE_DEVICES") and not __import__("torch").cuda.is_available():
+        _fails_with(train_rl.main, base + ["--sft_checkpoint_path", str(tiny_checkpoint), "--sampling_max_tokens", "64", "--eval_max_tokens", "64"], capsys, "--sample_device cuda:7 does not exist: this machine has 0 GPU(s)")
+
+
+def test_sft_and_eval_validation(capsys, toy_data, tmp_path):
+    _fails_with(train_sft.main, ["--data_dir", str(toy_data), "--batch_size", "10", "--microbatch_size", "4"], capsys, "--microbatch_size 4 must divide --batch_size 10")
+    _fails_with(train_sft.main, ["--data_dir", str(toy_data), "--model", str(tmp_path / "none")], capsys, "--model")
+    _fails_with(evaluate.main, ["--data_dir", str(toy_data), "--model_path", str(tmp_path / "none")], capsys, "--model_path")
+    _fails_with(evaluate.main, ["--data_dir", str(toy_data), "--model_path", "x", "--min_tokens", "9", "--max_tokens", "3"], capsys, "--min_tokens 9 exceeds --max_tokens 3")
+
+
+def test_no_baseline_forces_group_size_one(toy_data):
+    args = parse_rl_args(["--data_dir", str(toy_data), "--loss_type", "no_baseline", "--group_size", "8", "--rollout_batch_size", "16"])
+    assert args.group_size == 1
+    assert args.total_rollouts == 16 and args.train_batch_size == 16
+    assert args.gradient_accumulation_steps == 2  # 16 / --train_mini_batch_size 8
+    assert args.cliprange_high == args.cliprange == 0.2
+    assert args.length_normalization_constant == 1024.0
+
+
+@pytest.mark.parametrize("module", ["alignment.train_rl", "alignment.train_sft", "alignment.evaluate", "alignment.data"])
+def test_help_works_without_importing_vllm(module):
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['{module}', '--help']\n"
+        "try:\n"
+        f"    runpy.run_module('{module}', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "print('VLLM_IMPORTED' if 'vllm' in sys.modules else 'NO_VLLM')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout
+    assert result.stdout.strip().endswith("NO_VLLM")

@@ -1,0 +1,121 @@
+"""GSM8K loading, the prompt contract and clear errors for bad files."""
+
+import hashlib
+import json
+
+import pytest
+
+from alignment.data import (
+    R1_ZERO_PROMPT,
+    Gsm8kDataset,
+    build_sft_completion,
+    extract_ground_truth,
+    format_r1_zero_prompt,
+    load_gsm8k,
+    main as data_main,
+)
+from alignment.errors import UserError
+
+EXPECTED_PROMPT = (
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. "
+    "The Assistant first thinks about the reasoning process in the mind and then provides the User with the answer. "
+    "The reasoning process is enclosed within <think> </think> and answer is enclosed within <answer> </answer> tags, "
+    "respectively, i.e., <think> reasoning process here </think> <answer> answer here </answer>.\n"
+    "User: {question}\n"
+    "Assistant: <think>"
+)
+
+
+def test_prompt_file_is_byte_exact():
+    from alignment.data import PROMPT_DIR
+
+    raw = (PROMPT_DIR / "r1_zero.prompt").read_bytes()
+    assert raw == EXPECTED_PROMPT.encode("utf-8")
+    assert not raw.endswith(b"\n")
+    assert hashlib.sha256(raw).hexdigest() == "56213732da87e12ace60a2b88a16df0af18280fb0563a957cbecc938a6a2ac0e"
+    assert R1_ZERO_PROMPT == EXPECTED_PROMPT
+
+
+def test_prompt_formatting_keeps_braces_in_questions():
+    prompt = format_r1_zero_prompt("What is {x} if x = 2?")
+    assert prompt.endswith("User: What is {x} if x = 2?\nAssistant: <think>")
+
+
+@pytest.mark.parametrize(
+    "answer, truth",
+    [
+        ("so 5 + 7 = 12\n#### 12", "12"),
+        ("total 1,080 dollars\n#### 1,080", "1080"),
+        ("he owes 5 dollars\n#### -5", "-5"),
+        ("#### 1,234,567", "1234567"),
+        ("x\n####  3.5 ", "3.5"),
+    ],
+)
+def test_extract_ground_truth(answer, truth):
+    assert extract_ground_truth(answer) == truth
+
+
+def test_extract_ground_truth_requires_marker():
+    with pytest.raises(ValueError, match="####"):
+        extract_ground_truth("no final answer here")
+    with pytest.raises(ValueError, match="empty"):
+        extract_ground_truth("reasoning\n#### ")
+
+
+def test_sft_completion_removes_calculator_annotations():
+    answer = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+    assert build_sft_completion(answer) == " Natalia sold 48/2 = 24 clips in May.\nShe sold 48+24 = 72 clips. </think> <answer> 72 </answer>"
+
+
+def test_every_gsm8k_row_parses(gsm8k_dir):
+    train, test = load_gsm8k("train", gsm8k_dir), load_gsm8k("test", gsm8k_dir)
+    assert (len(train), len(test)) == (7473, 1319)
+    truths = [row["ground_truth"] for row in train + test]
+    assert all(t.lstrip("-").isdigit() for t in truths)  # all GSM8K answers are integers
+    with_commas = [row for row in train if "#### " in row["answer"] and "," in row["answer"].rsplit("####", 1)[1]]
+    assert len(with_commas) == 79
+    assert all("," not in row["ground_truth"] for row in with_commas)
+    assert any(t.startswith("-") for t in truths)
+    dataset = Gsm8kDataset("test", gsm8k_dir)
+    prompt, completion, truth = dataset[0]
+    assert prompt.startswith("A conversation between User and Assistant.") and prompt.endswith("Assistant: <think>")
+    assert completion.endswith(f" </think> <answer> {truth} </answer>")
+    assert "<<" not in completion
+
+
+def _write(tmp_path, split, content: bytes):
+    (tmp_path / f"{split}.jsonl").write_bytes(content)
+    return tmp_path
+
+
+GOOD = json.dumps({"question": "q?", "answer": "a\n#### 3"}).encode() + b"\n"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", r"train.jsonl holds no rows"),
+        (GOOD + b'{"question": "q?", "answ', r"train.jsonl:2: not a JSON object .*truncated"),
+        (GOOD + b'{"question": "caf\xe9", "answer": "#### 1"}\n', r"train.jsonl:2: not valid UTF-8"),
+        (GOOD + GOOD + json.dumps({"question": "q?"}).encode(), r"train.jsonl:3: missing string field 'answer'"),
+        (json.dumps({"question": "q?", "answer": "no marker"}).encode(), r"train.jsonl:1: answer has no '####'"),
+        (b"[1, 2]\n", r"train.jsonl:1: expected a JSON object"),
+    ],
+)
+def test_malformed_files_name_file_and_line(tmp_path, content, message):
+    _write(tmp_path, "train", content)
+    with pytest.raises(UserError, match=message):
+        load_gsm8k("train", tmp_path)
+
+
+def test_missing_file_tells_the_download_command(tmp_path):
+    with pytest.raises(UserError, match=r"python -m alignment.data download --data_dir"):
+        load_gsm8k("test", tmp_path / "nowhere")
+
+
+def test_check_command_counts_rows(tmp_path, capsys):
+    _write(tmp_path, "train", GOOD * 3)
+    _write(tmp_path, "test", GOOD)
+    data_main(["check", "--data_dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "train.jsonl: 3 rows parse" in out and "test.jsonl: 1 rows parse" in out

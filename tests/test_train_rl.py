@@ -1,0 +1,146 @@
+"""train_rl end to end on a tiny Qwen2 (CPU): every loss type, both backends,
+resume-or-evaluate, weight sync, and one step's loss against a hand computation."""
+
+import hashlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from alignment import train_rl
+from alignment.optim import build_optimizer, build_scheduler
+from alignment.sft_helpers import tokenize_rollouts
+from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
+from alignment.tiny_model import build_tiny_checkpoint
+
+REQUIRED_TAGS = {
+    "train/reward", "train/format_reward", "train/answer_reward", "train/loss", "train/grad_norm", "train/entropy",
+    "train/clip_fraction", "train/kl_ref", "train/response_length", "train/lr", "eval/avg_all_rewards",
+    "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "perf/step_seconds",
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl")
+    data = write_synthetic_gsm8k(root / "data", num_train=32, num_test=8, seed=1)
+    sft = build_tiny_checkpoint(root / "sft", texts=tokenizer_corpus(data), vocab_size=400)
+    return SimpleNamespace(root=root, data=data, sft=sft)
+
+
+def rl_flags(pipeline, name, *extra):
+    return [
+        "--sft_checkpoint_path", str(pipeline.sft), "--checkpoint_path", str(pipeline.root / name / "rl"),
+        "--data_dir", str(pipeline.data), "--log_dir", str(pipeline.root / "runs"), "--run_name", name,
+        "--layout", "auto", "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "4",
+        "--sampling_max_tokens", "24", "--eval_max_tokens", "24", "--eval_num_examples", "8",
+        "--max_steps", "2", "--evaluate_freq", "2", "--learning_rate", "1e-3", "--vllm_kv_cache_gb", "0.25",
+        *extra,
+    ]
+
+
+def scalar_tags(run_dir) -> dict[str, list]:
+    accumulator = EventAccumulator(str(run_dir))
+    accumulator.Reload()
+    return {tag: accumulator.Scalars(tag) for tag in accumulator.Tags()["scalars"]}
+
+
+def weights_digest(path) -> str:
+    return hashlib.sha256((Path(path) / "model.safetensors").read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+@pytest.mark.parametrize("loss_type", ["no_baseline", "reinforce_with_baseline", "grpo_clip"])
+def test_two_step_run_logs_every_tag(pipeline, backend, loss_type):
+    name = f"{backend}_{loss_type}"
+    metrics = train_rl.main(rl_flags(pipeline, name, "--rollout_backend", backend, "--loss_type", loss_type))
+    run_dir = pipeline.root / "runs" / name
+    tags = scalar_tags(run_dir)
+    assert REQUIRED_TAGS <= tags.keys(), REQUIRED_TAGS - tags.keys()
+    assert [event.step for event in tags["train/reward"]] == [1, 2]
+    assert all(0.0 <= event.value <= 1.0 for event in tags["train/format_reward"])
+    assert (pipeline.root / name / "rl" / "model.safetensors").is_file()
+    final = json.loads((run_dir / "final_eval_metrics.json").read_text())
+    assert final["num_examples"] == 8 and final["step"] == 2
+    assert metrics["avg_all_rewards"] == final["avg_all_rewards"]
+
+
+def test_existing_checkpoint_is_only_evaluated(pipeline, capsys):
+    name = "resume_or_evaluate"
+    train_rl.main(rl_flags(pipeline, name, "--rollout_backend", "hf", "--max_steps", "1"))
+    checkpoint = pipeline.root / name / "rl"
+    before = weights_digest(checkpoint)
+    capsys.readouterr()
+    metrics = train_rl.main(rl_flags(pipeline, name, "--rollout_backend", "hf", "--max_steps", "1"))
+    out = capsys.readouterr().out
+    assert "already holds weights: evaluating it (no training)" in out
+    assert "step 1/1" not in out  # no optimizer step ran
+    assert weights_digest(checkpoint) == before
+    written = json.loads((pipeline.root / "runs" / name / "eval_only_metrics.json").read_text())
+    assert written["num_examples"] == 8 and written["avg_all_rewards"] == metrics["avg_all_rewards"]
+
+
+def test_fresh_eval_engine_runs_in_a_child_process(pipeline):
+    """--eval_engine fresh: the seed's save-then-temporary-vLLM path."""
+    name = "fresh_eval"
+    train_rl.main(rl_flags(pipeline, name, "--rollout_backend", "vllm", "--eval_engine", "fresh", "--max_steps", "2"))
+    eval_dir = pipeline.root / "runs" / name / "eval_step_2"
+    assert json.loads((eval_dir / "metrics.json").read_text())["num_examples"] == 8
+    assert (pipeline.root / name / "rl").is_dir() and weights_digest(pipeline.root / name / "rl")
+
+
+def test_one_step_loss_equals_hand_computation(pipeline):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pipeline.sft)
+    model = AutoModelForCausalLM.from_pretrained(pipeline.sft, dtype=torch.float32)
+    prompts = ["User: Ava has 3 apples. Ava gets 2 more.\nAssistant: <think>"] * 2 + ["User: Ben has 9 pens.\nAssistant: <think>"] * 2
+    responses = [" 3 + 2 = 5 </think> <answer> 5 </answer>", " 6 </think> <answer> 6 </answer>", " 9 </think> <answer> 9 </answer>", " 1 </answer>"]
+    raw = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    advantages = torch.tensor([1.0, -0.5, 2.0, 0.25])  # not group-centred, so the loss is far from 0
+    batch = {**tokenize_rollouts(prompts, responses, tokenizer), "raw_rewards": raw, "advantages": advantages}
+    batch["lengths"] = train_rl.sequence_lengths(batch["response_mask"])
+    batch["ref_log_probs"] = train_rl.score_with(model, batch, 2, "cpu", 0)
+
+    # hand computation: naive log_softmax+gather, per-sequence mean of -A * logp, batch mean
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=batch["input_ids"]).logits, -1).gather(-1, batch["labels"][..., None]).squeeze(-1)
+    mask = batch["response_mask"].float()
+    per_sequence = (-(advantages[:, None]) * logp * mask).sum(-1) / mask.sum(-1)
+    expected_loss = per_sequence.mean().item()
+
+    args = SimpleNamespace(
+        seed=0, epochs_per_rollout_batch=1, train_batch_size=4, train_mini_batch_size=2, gradient_accumulation_steps=2,
+        loss_type="reinforce_with_baseline", old_policy="rollout", cliprange=0.2, cliprange_high=0.2,
+        length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=3, max_grad_norm=1e9,
+    )
+    optimizer = build_optimizer(model, 1e-3, 0.0)
+    totals = train_rl.update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu")
+    assert totals["loss"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)
+    assert totals["optimizer_steps"] == 1 and totals["microbatches"] == 2 and totals["skipped_steps"] == 0
+    assert totals["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # reference == policy before the step
+
+
+def test_non_finite_gradient_skips_the_step(pipeline):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pipeline.sft)
+    model = AutoModelForCausalLM.from_pretrained(pipeline.sft, dtype=torch.float32)
+    prompts = ["User: Ava has 3 apples.\nAssistant: <think>"] * 2
+    batch = {**tokenize_rollouts(prompts, [" 3 </answer>", " 4 </answer>"], tokenizer),
+             "raw_rewards": torch.tensor([1.0, 0.0]), "advantages": torch.tensor([float("nan"), 0.0])}
+    batch["lengths"] = train_rl.sequence_lengths(batch["response_mask"])
+    batch["ref_log_probs"] = torch.zeros(batch["labels"].shape)
+    args = SimpleNamespace(
+        seed=0, epochs_per_rollout_batch=1, train_batch_size=2, train_mini_batch_size=2, gradient_accumulation_steps=1,
+        loss_type="reinforce_with_baseline", old_policy="rollout", cliprange=0.2, cliprange_high=0.2,
+        length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=0, max_grad_norm=1.0,
+    )
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = build_optimizer(model, 1e-3, 0.0)
+    totals = train_rl.update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu")
+    assert totals["skipped_steps"] == 1 and totals["optimizer_steps"] == 0
+    assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
