@@ -125,6 +125,7 @@ def build_rl_parser() -> argparse.ArgumentParser:
     loss.add_argument("--cliprange_high", type=_positive_float, default=None, help="grpo_clip upper clip, 1+cliprange_high (DAPO clip-higher); default = --cliprange")
     loss.add_argument("--old_policy", choices=["rollout", "reference"], default="rollout", help="log-probs grpo_clip compares against: rollout = the policy that sampled the batch (PPO); reference = the frozen start checkpoint (seed)")
     loss.add_argument("--kl_coef", type=_non_negative_float, default=0.0, help="weight of the k3 KL penalty to the reference model (GRPO paper uses 0.04; seed: none); KL is logged either way")
+    loss.add_argument("--log_reference_kl", action=argparse.BooleanOptionalAction, default=True, help="run the frozen reference every step to log train/kl_ref even when nothing else needs it; --no-log_reference_kl skips loading the reference at all (faster, less memory)")
     loss.add_argument("--length_normalization", choices=["mean", "constant"], default="mean", help="mean: per-sequence mean over response tokens (seed, GRPO); constant: sum / --length_normalization_constant (Dr. GRPO, no length bias)")
     loss.add_argument("--length_normalization_constant", type=_positive_float, default=None, help="divisor for --length_normalization constant; default --sampling_max_tokens")
     loss.add_argument("--train_mini_batch_size", type=_positive_int, default=8, help="sequences per forward/backward microbatch; grad_acc_steps = train_batch_size / this (seed)")

@@ -58,7 +58,8 @@ def build_sft_completion(answer: str) -> str:
     """The target text SFT trains on: reasoning, then the tags the grader checks."""
     reasoning = answer.rsplit("####", 1)[0]
     reasoning = _CALCULATOR_ANNOTATION.sub("", reasoning).strip()
-    return f" {reasoning} </think> <answer> {extract_ground_truth(answer)} </answer>"
+    thoughts = f" {reasoning}" if reasoning else ""
+    return f"{thoughts} </think> <answer> {extract_ground_truth(answer)} </answer>"
 
 
 def split_path(data_dir: str | os.PathLike, split: str) -> Path:

@@ -141,14 +141,26 @@ def _vllm_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-class VllmEngine:
-    """An in-process vLLM `LLM` on one device, with in-place weight reload.
+# vLLM fuses some of Hugging Face's projections into one parameter (rows stacked in this order)
+_FUSED_SOURCES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
-    In-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so `load_weights` hands tensors
-    over without serialising them: `collective_rpc("reload_weights", weights_iterator=...)`
-    copies each tensor into the engine's parameters (across GPUs when the policy
-    lives elsewhere), then the prefix cache is dropped, since its KV entries were
-    computed with the old weights. Works on vLLM 0.26 (GPU image here) and 0.32.
+
+class VllmEngine:
+    """An in-process vLLM `LLM` on one device, with in-place weight updates.
+
+    In-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so weights are handed over as
+    tensors, never serialised. `load_weights` has two paths:
+    - direct copy (GPU): each engine parameter is filled in place from the policy's
+      tensors (q/k/v and gate/up stacked as vLLM fuses them), GPU to GPU, no
+      temporary state dict; used when every parameter maps with matching shapes;
+    - `collective_rpc("reload_weights", weights_iterator=...)`, vLLM's supported
+      reload (CPU, or any model the direct map does not cover).
+    Either way the prefix cache is dropped afterwards: its KV entries were computed
+    with the old weights. The same code runs on vLLM 0.26 and 0.32.
+
+    Only one engine may live in a process at a time: closing one tears down vLLM's
+    process-wide state, which breaks any other (the seed's temporary eval engine
+    therefore runs in a child process; see evaluate.evaluate_in_subprocess).
     """
 
     def __init__(self, model_path, device: str, dtype: str, seed: int, gpu_memory_utilization: float | None = None, kv_cache_gb: float = 1.0, enforce_eager: bool = False, max_model_len: int | None = None, shares_gpu: bool = False):
@@ -163,12 +175,23 @@ class VllmEngine:
         else:
             index = int(device.split(":")[1])
             if index:
-                kwargs["device_ids"] = [index]
+                kwargs["device_ids"] = [index]  # vLLM takes no device=; this pins the engine to one GPU
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization or (0.3 if shares_gpu else 0.85)
+        previous = torch.cuda.current_device() if torch.cuda.is_available() else None
         started = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - started
+        if previous is not None:
+            torch.cuda.set_device(previous)  # the engine made its GPU current; the policy code expects its own
         self.device = device
+        self._direct_plan = None
+        self.last_sync_path = None
+
+    def _on_device(self):
+        """Run engine work with its GPU current (its kernels and graphs assume it)."""
+        import contextlib
+
+        return torch.cuda.device(self.device) if self.device.startswith("cuda") else contextlib.nullcontext()
 
     def generate(self, prompts: list[str], sampling: SamplingSettings) -> list[Generation]:
         from vllm import SamplingParams
@@ -183,12 +206,53 @@ class VllmEngine:
             stop=list(sampling.stop),
             include_stop_str_in_output=True,
         )
-        results = self.llm.generate(prompts, params, use_tqdm=False)
+        with self._on_device():
+            results = self.llm.generate(prompts, params, use_tqdm=False)
         return [Generation(text=r.outputs[0].text, num_tokens=len(r.outputs[0].token_ids), token_ids=list(r.outputs[0].token_ids)) for r in results]
 
+    def _build_direct_plan(self, source_shapes: dict[str, torch.Size]):
+        """[(engine parameter, [source names])], or None if any parameter does not map."""
+        engine_model = self.llm.apply_model(lambda model: model)[0]  # in-process: the module itself
+        plan = []
+        embed = dict(engine_model.named_parameters()).get("model.embed_tokens.weight")
+        for name, parameter in engine_model.named_parameters():
+            prefix, _, leaf = name.rpartition(".")
+            module_prefix, _, module = prefix.rpartition(".")
+            if name == "lm_head.weight" and embed is not None and parameter.data_ptr() == embed.data_ptr():
+                continue  # tied to the embeddings, filled with them
+            sources = [f"{module_prefix}.{part}.{leaf}" for part in _FUSED_SOURCES[module]] if module in _FUSED_SOURCES else [name]
+            if any(s not in source_shapes for s in sources) or sum(source_shapes[s][0] for s in sources) != parameter.shape[0] \
+                    or any(source_shapes[s][1:] != parameter.shape[1:] for s in sources):
+                return None
+            plan.append((parameter, sources))
+        return plan
+
     def load_weights(self, named_tensors) -> None:
+        """Copy the policy's weights (checkpoint names) into the engine."""
+        with self._on_device():
+            if self.device.startswith("cuda"):
+                tensors = dict(named_tensors)
+                if self._direct_plan is None:
+                    self._direct_plan = self._build_direct_plan({k: v.shape for k, v in tensors.items()}) or False
+                if self._direct_plan:
+                    with torch.no_grad():
+                        for parameter, sources in self._direct_plan:
+                            offset = 0
+                            for source in sources:
+                                rows = tensors[source].shape[0]
+                                parameter.data[offset : offset + rows].copy_(tensors[source], non_blocking=True)
+                                offset += rows
+                    torch.cuda.synchronize(self.device)
+                    self.last_sync_path = "direct"
+                else:
+                    self._reload(tensors.items())
+            else:
+                self._reload(named_tensors)
+            self.llm.reset_prefix_cache()
+
+    def _reload(self, named_tensors) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-        self.llm.reset_prefix_cache()
+        self.last_sync_path = "reload_weights"
 
     def close(self) -> None:
         import gc

