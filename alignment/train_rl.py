@@ -52,7 +52,7 @@ from alignment.evaluate import evaluate_in_subprocess, evaluate_math, format_met
 from alignment.grpo import advantages_from_scores, grpo_microbatch_train_step
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.rollout import HfEngine, SamplingSettings, VllmEngine, build_engine, load_hf_model, load_tokenizer
-from alignment.sft_helpers import get_response_log_probs, tokenize_rollouts
+from alignment.sft_helpers import get_response_log_probs, tokenize_rollout_ids, tokenize_rollouts
 
 
 # ------------------------------------------------------------------ the step
@@ -219,6 +219,9 @@ def train(args, base_model_checkpoint_path) -> dict:
     place_model(model, main_device, roles["policy_layers"])
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.torch_compile:
+        for layer in model.model.layers:  # one graph for all layers; dynamic: widths vary per microbatch
+            layer.compile(dynamic=True)
     model.config.use_cache = False
     model.train()
     reference_model = None
@@ -281,8 +284,13 @@ def train(args, base_model_checkpoint_path) -> dict:
             advantages, raw_rewards, reward_meta = advantages_from_scores(scores, args.group_size, args.advantage_eps, args.use_std_normalization)
             timings["reward"] = time.perf_counter() - started
 
-            # 4. tokenize prompt + full text; the mask keeps generated tokens only
-            batch = {**tokenize_rollouts(grouped_prompts, responses, tokenizer), "raw_rewards": raw_rewards, "advantages": advantages}
+            # 4. token sequences: prompt + the sampled ids (or the seed's re-tokenised
+            #    full text); the mask keeps generated tokens only
+            if args.rollout_tokens == "ids":
+                tokens = tokenize_rollout_ids(grouped_prompts, [g.token_ids for g in generations], tokenizer)
+            else:
+                tokens = tokenize_rollouts(grouped_prompts, responses, tokenizer)
+            batch = {**tokens, "raw_rewards": raw_rewards, "advantages": advantages}
             batch["lengths"] = sequence_lengths(batch["response_mask"])
 
             # 5. log-probs that stay fixed during the update: the frozen reference

@@ -75,7 +75,7 @@ def main():
         "--layout", "auto", "--rollout_backend", args.backend, "--max_steps", str(args.steps),
         *(TINY_FLAGS if args.tiny else W1_FLAGS), *args.extra.split(),
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     else:

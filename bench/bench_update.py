@@ -67,24 +67,29 @@ def main():
     print(f"device {device} | bf16 matmul ceiling {ceiling:.0f} TFLOP/s | {args.batch_size} sequences, {real_tokens} tokens, "
           f"mean length {real_tokens / len(lengths):.0f} (mean prompt {sum(batch['prompt_lengths']) / len(lengths):.0f})", flush=True)
 
-    # name: (microbatch, fused chunk size (0 = naive), length-sorted, gradient checkpointing)
+    # name: (microbatch, fused chunk size (0 = naive), length-sorted, gradient checkpointing, torch.compile)
     variants = {
-        "naive_unsorted_mb8": (8, 0, False, False),
-        "fused_unsorted_mb8": (8, 1024, False, False),
-        "fused_sorted_mb8": (8, 1024, True, False),
-        "fused_sorted_mb16": (16, 1024, True, False),
-        "fused_sorted_mb32": (32, 1024, True, False),
-        "fused_sorted_mb64_ckpt": (64, 1024, True, True),
+        "naive_unsorted_mb8": (8, 0, False, False, False),
+        "fused_unsorted_mb8": (8, 1024, False, False, False),
+        "fused_sorted_mb8": (8, 1024, True, False, False),
+        "fused_sorted_mb16": (16, 1024, True, False, False),
+        "fused_sorted_mb32": (32, 1024, True, False, False),
+        "fused_sorted_mb64_ckpt": (64, 1024, True, True, False),
+        "fused_sorted_mb16_compile": (16, 1024, True, False, True),
+        "fused_sorted_mb32_compile": (32, 1024, True, False, True),
     }
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     rows = []
-    for name, (microbatch, chunk, sort, checkpointing) in variants.items():
+    for name, (microbatch, chunk, sort, checkpointing, compiled) in variants.items():
         model = copy.deepcopy(base)
         model.train()
         model.config.use_cache = False
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if compiled:  # as train_rl --torch_compile does
+            for layer in model.model.layers:
+                layer.compile(dynamic=True)
         optimizer = build_optimizer(model, 1e-6, 0.0)
         scheduler = build_scheduler(optimizer, 0, 100)
         step_args = update_args(microbatch, chunk, args.batch_size)
@@ -92,7 +97,8 @@ def main():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            seconds, times = timed(lambda: train_rl.update_policy(model, optimizer, scheduler, batch, step_args, device, sort_by_length=sort), device, repeats=args.repeats)
+            seconds, times = timed(lambda: train_rl.update_policy(model, optimizer, scheduler, batch, step_args, device, sort_by_length=sort), device,
+                                   repeats=args.repeats, warmup=2 if compiled else 1)
         except torch.OutOfMemoryError:
             rows.append({"workload": "update", "variant": name, "error": "out of memory"})
             del model, optimizer

@@ -47,6 +47,15 @@ def build_checkpoint(path, tiny: bool, data_dir=None, seed: int = 0) -> Path:
     questions = gsm8k_questions(data_dir)
     texts = [format_r1_zero_prompt(q) for q in questions]
     tokenizer = train_byte_level_tokenizer(texts, vocab_size=512 if tiny else 8192)
+    if not tiny:
+        # The 1.5B model has 151,936 embedding rows. Fill the tokenizer up to that with
+        # placeholder tokens, so (almost) every id a random model samples decodes to
+        # text that re-tokenises to the same id: responses keep their length through
+        # the seed's text round trip, as they would with Qwen's own tokenizer.
+        from tokenizers import AddedToken
+
+        missing = qwen2_5_math_1_5b_config().vocab_size - len(tokenizer)
+        tokenizer.backend_tokenizer.add_tokens([AddedToken(f"<|x{i}|>", normalized=False, special=False) for i in range(missing)])
     if tiny:
         config = tiny_qwen2_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, max_position_embeddings=2048)
         dtype = torch.float32
