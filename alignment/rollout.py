@@ -176,6 +176,11 @@ class VllmEngine:
             index = int(device.split(":")[1])
             if index:
                 kwargs["device_ids"] = [index]  # vLLM takes no device=; this pins the engine to one GPU
+                # vLLM 0.26's compile cache is not keyed by GPU: a graph compiled on
+                # cuda:0 and loaded on cuda:1 failed with "CUDA driver error: invalid
+                # argument" (H200 x2). Keep one cache per GPU index.
+                cache_root = os.environ.get("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm"))
+                kwargs["compilation_config"] = {"cache_dir": os.path.join(cache_root, "torch_compile_cache", f"alignment_cuda{index}")}
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization or (0.3 if shares_gpu else 0.85)
         previous = torch.cuda.current_device() if torch.cuda.is_available() else None
         started = time.perf_counter()
