@@ -108,6 +108,15 @@ def save_training_state(state_dir, model, tokenizer, optimizer, scheduler, count
     return write_atomically(state_dir, write)
 
 
+def has_training_state(state_dir) -> bool:
+    recover_checkpoint(state_dir)
+    return (Path(state_dir) / "counters.json").is_file()
+
+
+def remove_training_state(state_dir) -> None:
+    shutil.rmtree(state_dir, ignore_errors=True)
+
+
 def load_training_state(state_dir) -> dict | None:
     """The latest state written by `save_training_state`, or None if there is none.
 

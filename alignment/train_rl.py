@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 
 from alignment.args import build_sft_parser, check_checkpoint, has_weights, model_context_length, parse_rl_args
-from alignment.checkpoint import load_training_state, recover_checkpoint, save_model_atomically, save_training_state
+from alignment.checkpoint import has_training_state, load_training_state, recover_checkpoint, remove_training_state, save_model_atomically, save_training_state
 from alignment.data import Gsm8kDataset
 from alignment.devices import format_role_table, place_model, resolve_dtype, resolve_role_devices
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
@@ -99,7 +99,7 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, sort_by
     """
     n_rollouts = batch["input_ids"].shape[0]
     lengths = batch["lengths"]
-    totals = {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "optimizer_steps": 0, "skipped_steps": 0, "microbatches": 0}
+    totals = empty_totals()
     generator = torch.Generator().manual_seed(args.seed)
     for _ in range(args.epochs_per_rollout_batch):
         order = torch.randperm(n_rollouts, generator=generator).tolist() if args.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
@@ -147,6 +147,10 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, sort_by
                 totals["skipped_steps"] += 1  # never write NaN/inf into the weights
             optimizer.zero_grad(set_to_none=True)
     return totals
+
+
+def empty_totals() -> dict:
+    return {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "optimizer_steps": 0, "skipped_steps": 0, "microbatches": 0}
 
 
 def _chunks(items, size):
@@ -207,6 +211,9 @@ def train(args, base_model_checkpoint_path) -> dict:
     steps_log = Path(args.log_dir) / args.run_name / "steps.jsonl"  # one JSON line of scalars per step
     if state is None:
         steps_log.unlink(missing_ok=True)
+    elif steps_log.exists():  # drop steps logged after the state was saved (they run again)
+        kept = [line for line in steps_log.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
+        steps_log.write_text("".join(line + "\n" for line in kept))
     start_weights = state["policy_path"] if state else base_model_checkpoint_path
     if args.rollout_backend == "vllm":
         policy_gpus = set(roles["policy_layers"]) | {main_device, args.reference_model_device}
@@ -242,7 +249,7 @@ def train(args, base_model_checkpoint_path) -> dict:
     optimizer_steps_total = total_steps * args.epochs_per_rollout_batch * (args.total_rollouts // args.train_batch_size)
     scheduler = build_scheduler(optimizer, args.warmup_steps, optimizer_steps_total)
 
-    step, epoch, batch_in_epoch, skipped_in_a_row, skipped_total = 0, 0, 0, 0, 0
+    step, epoch, batch_in_epoch, skipped_in_a_row, skipped_total, zero_signal_batches = 0, 0, 0, 0, 0, 0
     policy_version, sampler_version = 0, 0
     if state:
         optimizer.load_state_dict(state["optimizer"])
@@ -296,16 +303,26 @@ def train(args, base_model_checkpoint_path) -> dict:
             # 5. log-probs that stay fixed during the update: the frozen reference
             #    (on its own device, inference mode), and the pre-update policy when
             #    grpo_clip takes more than one optimizer step on this batch
+            # A batch whose every group has equal rewards has zero advantage everywhere:
+            # its gradient is exactly zero (without KL), so skip the work, and keep Adam's
+            # momentum from moving the weights on no evidence.
+            signal = raw_rewards if args.loss_type == "no_baseline" else advantages
+            has_signal = args.kl_coef > 0 or bool(signal.abs().max() > 0)
             started = time.perf_counter()
-            if reference_model is not None:
+            if has_signal and reference_model is not None:
                 batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, args.logprob_chunk_size)
-            if args.loss_type == "grpo_clip" and args.old_policy == "rollout" and not single_step_per_batch:
+            if has_signal and args.loss_type == "grpo_clip" and args.old_policy == "rollout" and not single_step_per_batch:
                 batch["old_log_probs"] = score_with(model, batch, args.train_mini_batch_size, main_device, args.logprob_chunk_size)
             timings["logprobs"] = time.perf_counter() - started
 
             # 6. policy-gradient update: log-probs, loss, backward, clip, step
             started = time.perf_counter()
-            totals = update_policy(model, optimizer, scheduler, batch, args, main_device)
+            if has_signal:
+                totals = update_policy(model, optimizer, scheduler, batch, args, main_device)
+            else:
+                totals = empty_totals()
+                zero_signal_batches += 1
+                print(f"step {step}: every group has equal rewards, no learning signal; update skipped", flush=True)
             timings["update"] = time.perf_counter() - started
             if totals["optimizer_steps"]:
                 policy_version += 1
@@ -327,13 +344,14 @@ def train(args, base_model_checkpoint_path) -> dict:
                 timings["eval"] = time.perf_counter() - started
 
             timings["step"] = time.perf_counter() - step_started
-            _log_step(writer, args, step, total_steps, reward_meta, totals, timings, generated_tokens, len(responses), skipped_total, scheduler)
+            _log_step(writer, args, step, total_steps, reward_meta, totals, timings, generated_tokens, len(responses), skipped_total, zero_signal_batches, scheduler)
 
             if args.save_state_every and step % args.save_state_every == 0:
                 save_training_state(args.state_dir, model, tokenizer, optimizer, scheduler, {
                     "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
                     "skipped_steps": skipped_total, "policy_version": policy_version,
                 })
+                print(f"saved training state at step {step} to {args.state_dir}", flush=True)
             if step >= total_steps:
                 break
         if batch_in_epoch == steps_per_epoch:
@@ -351,6 +369,7 @@ def train(args, base_model_checkpoint_path) -> dict:
     run_dir = Path(args.log_dir) / args.run_name
     write_jsonl(run_dir / "final_eval_samples.jsonl", eval_metrics.pop("samples", []))
     write_json(run_dir / "final_eval_metrics.json", {**eval_metrics, "step": step, "skipped_steps": skipped_total})
+    remove_training_state(args.state_dir)  # finished: the final checkpoint is the result
     writer.close()
     engine.close()
     return eval_metrics
@@ -363,16 +382,18 @@ def sequence_lengths(mask) -> list[int]:
     return (last + 1).clamp(min=1).tolist()
 
 
-def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, generated_tokens, n_rollouts, skipped_total, scheduler):
-    microbatches = max(totals["microbatches"], 1)
-    optimizer_steps = max(totals["optimizer_steps"], 1)
+def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, generated_tokens, n_rollouts, skipped_total, zero_signal_batches, scheduler):
+    nan = float("nan")  # what an update did not measure is n/a (not written to TensorBoard)
+    microbatches = totals["microbatches"] or nan
+    optimizer_steps = totals["optimizer_steps"] or nan
+    loss_steps = args.epochs_per_rollout_batch * (args.total_rollouts // args.train_batch_size) if totals["microbatches"] else nan
     scalars = {
         "train/reward": reward_meta["reward_mean"],
         "train/format_reward": reward_meta["format_reward_mean"],
         "train/answer_reward": reward_meta["answer_reward_mean"],
         "train/reward_std": reward_meta["reward_std"],
         "train/fraction_groups_all_equal": reward_meta["fraction_groups_all_equal"],
-        "train/loss": totals["loss"] / max(args.epochs_per_rollout_batch * (args.total_rollouts // args.train_batch_size), 1),
+        "train/loss": totals["loss"] / loss_steps,
         "train/grad_norm": totals["grad_norm"] / optimizer_steps,
         "train/entropy": totals["entropy"] / microbatches,
         "train/clip_fraction": totals["clip_fraction"] / microbatches,
@@ -380,6 +401,7 @@ def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, gen
         "train/response_length": generated_tokens / n_rollouts,
         "train/lr": scheduler.get_last_lr()[0],
         "train/skipped_steps": skipped_total,
+        "train/zero_signal_batches": zero_signal_batches,
         "perf/rollout_tokens_per_s": generated_tokens / max(timings["rollout"], 1e-9),
         "perf/train_tokens_per_s": totals["tokens"] / max(timings["update"], 1e-9),
         "perf/step_seconds": timings["step"],
@@ -387,7 +409,7 @@ def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, gen
     for key in ("rollout", "reward", "logprobs", "update", "sync", "eval"):
         scalars[f"perf/{key}_seconds"] = timings[key]
     for key, value in scalars.items():
-        if not math.isnan(value):  # kl_ref is NaN when no reference model is loaded
+        if not math.isnan(value):
             writer.add_scalar(key, value, step)
     with open(Path(args.log_dir) / args.run_name / "steps.jsonl", "a") as handle:
         handle.write(json.dumps({"step": step, **{k: (None if math.isnan(v) else v) for k, v in scalars.items()}}) + "\n")
@@ -431,7 +453,12 @@ def main(argv=None) -> dict:
     sft_args = build_sft_parser().parse_args([])  # the seed parses both; RL starts where SFT saved
     base_model_checkpoint_path = args.sft_checkpoint_path or sft_args.checkpoint_path
     recover_checkpoint(args.checkpoint_path)
-    if has_weights(args.checkpoint_path) and not args.resume:
+    resumable = args.resume and has_training_state(args.state_dir)
+    if has_weights(args.checkpoint_path) and not resumable:
+        # the seed's rule; a finished run removes its training state, so only an
+        # interrupted run (with --resume) trains past an existing checkpoint
+        if has_training_state(args.state_dir):
+            print(f"note: {args.state_dir} holds an unfinished run; pass --resume to continue it")
         check_checkpoint(args.checkpoint_path, "--checkpoint_path", "remove it to train again")
         return evaluate_only(args)
     check_checkpoint(base_model_checkpoint_path, "--sft_checkpoint_path", "run `python -m alignment.train_sft` first or pass --sft_checkpoint_path")

@@ -38,6 +38,9 @@ def rl_flags(pipeline, name, *extra):
         "--layout", "auto", "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "4",
         "--sampling_max_tokens", "24", "--eval_max_tokens", "24", "--eval_num_examples", "8",
         "--max_steps", "2", "--evaluate_freq", "2", "--learning_rate", "1e-3", "--vllm_kv_cache_gb", "0.25",
+        # the random model never answers correctly, so rewards carry no signal; a KL term
+        # keeps the update running (zero-signal batches are skipped otherwise)
+        "--kl_coef", "0.01",
         *extra,
     ]
 

@@ -1,0 +1,194 @@
+"""Crash safety, resume, and numerical faults (see RELIABILITY.md)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from alignment import train_rl
+from alignment.checkpoint import has_training_state, recover_checkpoint, save_model_atomically
+from alignment.errors import UserError
+from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
+from alignment.tiny_model import build_tiny_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+SLOW_SAVE = """
+import sys, time, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from alignment.checkpoint import save_model_atomically
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+real_save = model.save_pretrained
+def slow_save(folder, **kwargs):
+    real_save(folder, **kwargs)          # the new weights are half-way into the temp folder
+    print("WRITING", flush=True)
+    time.sleep(60)                       # killed here
+model.save_pretrained = slow_save
+save_model_atomically(model, tokenizer, sys.argv[2])
+"""
+
+
+def weights(path):
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def test_kill_mid_save_keeps_the_previous_checkpoint(tiny_checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = tmp_path / "ckpt"
+    save_model_atomically(AutoModelForCausalLM.from_pretrained(tiny_checkpoint), AutoTokenizer.from_pretrained(tiny_checkpoint), target)
+    before = weights(target)
+    process = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, str(tiny_checkpoint), str(target)], cwd=REPO_ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert process.stdout.readline().strip() == "WRITING"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    leftovers = list(tmp_path.glob("ckpt.tmp-*"))
+    assert len(leftovers) == 1  # the half-written copy sits beside, never in place
+    after = weights(target)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    recover_checkpoint(target)  # the writer is dead: its temp folder goes
+    assert not list(tmp_path.glob("ckpt.tmp-*"))
+
+
+def test_crash_between_the_two_renames_is_recovered(tmp_path):
+    old = tmp_path / "ckpt.old"
+    old.mkdir()
+    (old / "config.json").write_text("{}")
+    recover_checkpoint(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "config.json").is_file() and not old.exists()
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reliability")
+    data = write_synthetic_gsm8k(root / "data", num_train=48, num_test=8, seed=2)
+    sft = build_tiny_checkpoint(root / "sft", texts=tokenizer_corpus(data), vocab_size=400)
+    return SimpleNamespace(root=root, data=data, sft=sft)
+
+
+def flags(pipeline, name, *extra):
+    return [
+        "--sft_checkpoint_path", str(pipeline.sft), "--checkpoint_path", str(pipeline.root / name / "rl"),
+        "--data_dir", str(pipeline.data), "--log_dir", str(pipeline.root / "runs"), "--run_name", name,
+        "--layout", "auto", "--rollout_backend", "hf", "--rollout_batch_size", "4", "--group_size", "4",
+        "--train_mini_batch_size", "8", "--sampling_max_tokens", "16", "--eval_max_tokens", "16", "--eval_num_examples", "4",
+        "--evaluate_freq", "0", "--learning_rate", "1e-3", "--kl_coef", "0.05", "--max_steps", "4", *extra,
+    ]
+
+
+def steps_log(pipeline, name):
+    return [json.loads(line) for line in open(pipeline.root / "runs" / name / "steps.jsonl")]
+
+
+def test_sigkill_then_resume_matches_an_uninterrupted_run(pipeline):
+    train_rl.main(flags(pipeline, "full"))
+    full = steps_log(pipeline, "full")
+
+    command = [sys.executable, "-m", "alignment.train_rl", *flags(pipeline, "cut", "--save_state_every", "1")]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    deadline = time.time() + 300
+    for line in process.stdout:
+        if line.startswith("saved training state at step 2"):
+            process.send_signal(signal.SIGKILL)
+            break
+        assert time.time() < deadline
+    process.wait()
+    state_dir = pipeline.root / "cut" / "rl.state"
+    assert has_training_state(state_dir)
+    assert not (pipeline.root / "cut" / "rl" / "model.safetensors").exists()
+
+    metrics = train_rl.main(flags(pipeline, "cut", "--save_state_every", "1", "--resume"))
+    cut = steps_log(pipeline, "cut")
+    assert [s["step"] for s in cut] == [1, 2, 3, 4]
+    for mine, theirs in zip(cut, full):
+        assert mine["train/loss"] == pytest.approx(theirs["train/loss"], rel=1e-5, abs=1e-7)
+        assert mine["train/reward"] == theirs["train/reward"]
+    final = json.loads((pipeline.root / "runs" / "cut" / "final_eval_metrics.json").read_text())
+    assert final["step"] == 4 and metrics["num_examples"] == 4
+    assert not state_dir.exists()  # finished: the state is gone, the checkpoint is the result
+    finished = weights(pipeline.root / "cut" / "rl")
+    reference = weights(pipeline.root / "full" / "rl")
+    assert all(torch.allclose(finished[k], reference[k], atol=1e-6) for k in reference)
+
+    # and the seed's rule holds: the finished checkpoint is only evaluated now
+    train_rl.main(flags(pipeline, "cut", "--resume"))
+    assert json.loads((pipeline.root / "runs" / "cut" / "eval_only_metrics.json").read_text())["num_examples"] == 4
+
+
+def test_non_finite_steps_stop_the_run_and_keep_the_last_good_state(pipeline, monkeypatch):
+    real_step = train_rl.grpo_microbatch_train_step
+
+    def poisoned(*args, **kwargs):
+        loss, meta = real_step(*args, **kwargs)
+        return loss * float("nan"), meta
+
+    monkeypatch.setattr(train_rl, "grpo_microbatch_train_step", poisoned)
+    with pytest.raises(UserError, match="2 optimizer steps in a row had a non-finite loss or gradient"):
+        train_rl.main(flags(pipeline, "nan", "--max_skipped_steps", "2", "--save_state_every", "1"))
+    logged = steps_log(pipeline, "nan")
+    assert logged[-1]["train/skipped_steps"] == 1
+    assert not (pipeline.root / "nan" / "rl" / "model.safetensors").exists()
+    state = weights(pipeline.root / "nan" / "rl.state" / "policy")
+    start = weights(pipeline.sft)
+    assert all(torch.equal(state[k], start[k]) for k in start)  # no NaN ever reached the weights
+
+
+def test_zero_signal_batches_are_skipped(pipeline):
+    no_kl = [f for f in flags(pipeline, "flat") if f not in ("--kl_coef", "0.05")] + ["--max_steps", "2"]
+    train_rl.main(no_kl)
+    logged = steps_log(pipeline, "flat")
+    assert all(s["train/fraction_groups_all_equal"] == 1.0 for s in logged)  # a random model earns nothing
+    assert logged[-1]["train/zero_signal_batches"] == 2
+    assert logged[-1]["train/loss"] is None  # not a fake 0
+    final, start = weights(pipeline.root / "flat" / "rl"), weights(pipeline.sft)
+    assert all(torch.equal(final[k], start[k]) for k in start)
+
+
+# ---------------------------------------------------------------- grader fuzzing
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from alignment.drgrpo_grader import CORRECT, FORMATTED_WRONG, UNFORMATTED, r1_zero_reward_fn  # noqa: E402
+
+LATEX_PIECES = ["\\frac{", "\\sqrt{", "\\boxed{", "}", "{", "^", "^{", "9", "10", "(", ")", "[", "]", "\\pi", "x", "=", ",", ".",
+                "\\left(", "\\right)", "\\text{", "%", "\\%", "-", "+", "*", "**", "!", "\\infty", "\\cdot", "e", "\x00", " ", "\\\\"]
+adversarial_answer = st.one_of(
+    st.lists(st.sampled_from(LATEX_PIECES), max_size=80).map("".join),
+    st.integers(min_value=1, max_value=40).map(lambda depth: "(" * depth * 50 + "1" + ")" * depth * 50),
+    st.integers(min_value=2, max_value=9).map(lambda n: "^".join(["9"] * n)),
+    st.integers(min_value=2, max_value=6).map(lambda n: "10^{" * n + "10" + "}" * n),
+    st.text(max_size=300),
+    st.integers(min_value=1, max_value=2000).map(lambda n: "9" * n),
+)
+LEGAL = [CORRECT, FORMATTED_WRONG, UNFORMATTED]
+
+
+@settings(max_examples=2500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(answer=adversarial_answer, truth=st.one_of(st.sampled_from(["18", "\\frac{1}{2}", "\\sqrt{2}", "-5", "(1,2)"]), adversarial_answer))
+def test_grader_fuzz_thousands_of_adversarial_answers(answer, truth):
+    started = time.perf_counter()
+    result = r1_zero_reward_fn(f"<think> x </think> <answer> {answer} </answer>", truth)
+    assert time.perf_counter() - started < 1.0
+    assert result in LEGAL
+
+
+def test_grader_on_huge_inputs_is_bounded():
+    for response in ("</think> <answer> " + "1+" * 500_000 + "1 </answer>", "\x00" * 1_000_000, "{" * 100_000 + "</think> <answer> }</answer>"):
+        started = time.perf_counter()
+        assert r1_zero_reward_fn(response, "2") in LEGAL
+        assert time.perf_counter() - started < 1.0
