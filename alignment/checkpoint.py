@@ -69,25 +69,28 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(handle.fileno())
 
 
-def save_model_atomically(model, tokenizer, path) -> Path:
+def save_model_atomically(model, tokenizer, path, state_dict=None) -> Path:
     """`save_pretrained` of model and tokenizer into `path`, atomically.
 
     The result is an ordinary Hugging Face folder that transformers and vLLM load.
+    `state_dict` overrides the model's own (full weights gathered from FSDP shards).
     """
 
     def write(folder):
-        model.save_pretrained(folder, safe_serialization=True)
+        model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(folder)
 
     return write_atomically(path, write)
 
 
-def save_training_state(state_dir, model, tokenizer, optimizer, scheduler, counters: dict) -> Path:
+def save_training_state(state_dir, model, tokenizer, model_state: dict, optimizer_state: dict, scheduler, counters: dict) -> Path:
     """Everything `--resume` needs, written atomically into `state_dir`.
 
-    policy/ (HF format), optimizer.pt, scheduler.pt, rng.pt (python, torch CPU
-    and CUDA generators) and counters.json (step, epoch, batch within the epoch,
-    which fixes the data-loader position, and the TensorBoard step).
+    policy/ (HF format, full weights), optimizer.pt (full and keyed by parameter
+    name, so it loads into one GPU, the layer partition or any FSDP world size),
+    scheduler.pt, rng.pt (python, torch CPU and CUDA generators) and counters.json
+    (step, epoch, batch within the epoch, which fixes the data-loader position, and
+    the TensorBoard step). Called on one process; the caller gathers the states.
     """
     import json
     import random
@@ -95,9 +98,9 @@ def save_training_state(state_dir, model, tokenizer, optimizer, scheduler, count
     import torch
 
     def write(folder):
-        model.save_pretrained(folder / "policy", safe_serialization=True)
+        model.save_pretrained(folder / "policy", safe_serialization=True, state_dict=model_state)
         tokenizer.save_pretrained(folder / "policy")
-        torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+        torch.save(optimizer_state, folder / "optimizer.pt")
         torch.save(scheduler.state_dict(), folder / "scheduler.pt")
         rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available():

@@ -44,19 +44,23 @@ def evaluate_math(llm, reward_fn, prompts: list[str], ground_truths: list[str], 
     for prompt, generation, truth in zip(prompts, generations, ground_truths, strict=True):
         scores = reward_fn(generation.text, truth)
         samples.append({"prompt": prompt, "response": generation.text, "ground_truth": truth, "num_tokens": generation.num_tokens, **scores})
+    if samples_path is not None:
+        write_jsonl(samples_path, samples)
+    return summarize_samples(samples, time.perf_counter() - started)
+
+
+def summarize_samples(samples: list[dict], seconds: float) -> dict:
+    """The metrics of graded samples (also used to merge samples from several ranks)."""
     count = max(len(samples), 1)
-    metrics = {
+    return {
         "avg_all_rewards": sum(s["reward"] for s in samples) / count,
         "format_reward": sum(s["format_reward"] for s in samples) / count,
         "answer_reward": sum(s["answer_reward"] for s in samples) / count,
         "num_examples": len(samples),
         "mean_response_tokens": sum(s["num_tokens"] for s in samples) / count,
-        "seconds": time.perf_counter() - started,
+        "seconds": seconds,
+        "samples": samples,
     }
-    if samples_path is not None:
-        write_jsonl(samples_path, samples)
-    metrics["samples"] = samples
-    return metrics
 
 
 def write_jsonl(path, rows) -> None:

@@ -88,6 +88,12 @@ def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _supports_fused_head(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        # the fused path calls the decoder body and reads lm_head's weight directly,
+        # bypassing the root's unshard/reduce hooks: sharded models take the naive path
+        return False
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     config = getattr(model, "config", None)
     return (

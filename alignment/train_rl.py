@@ -32,6 +32,7 @@ Where this departs from the seed, each one flag away from the seed's behaviour:
   training state (--save_state_every, --resume), non-finite steps skipped.
 """
 
+import argparse
 import json
 import math
 import random
@@ -42,13 +43,14 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 
+from alignment import distributed
 from alignment.args import build_sft_parser, check_checkpoint, has_weights, model_context_length, parse_rl_args
 from alignment.checkpoint import has_training_state, load_training_state, recover_checkpoint, remove_training_state, save_model_atomically, save_training_state
 from alignment.data import Gsm8kDataset
 from alignment.devices import format_role_table, place_model, resolve_dtype, resolve_role_devices
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
 from alignment.errors import UserError, run_cli
-from alignment.evaluate import evaluate_in_subprocess, evaluate_math, format_metrics_table, write_json, write_jsonl
+from alignment.evaluate import evaluate_in_subprocess, evaluate_math, format_metrics_table, summarize_samples, write_json, write_jsonl
 from alignment.grpo import advantages_from_scores, grpo_microbatch_train_step
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.rollout import HfEngine, SamplingSettings, VllmEngine, build_engine, load_hf_model, load_tokenizer
@@ -85,7 +87,7 @@ def score_with(model, batch, rows_per_chunk, main_device, chunk_size):
     return result
 
 
-def update_policy(model, optimizer, scheduler, batch, args, main_device, sort_by_length=True):
+def update_policy(model, optimizer, scheduler, batch, args, main_device, sort_by_length=True, ranks=distributed.SingleProcess()):
     """All optimizer steps for one rollout batch; returns summed metrics.
 
     `batch` holds (N, T) input_ids / labels / response_mask / ref_log_probs and
@@ -107,7 +109,10 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, sort_by
             if sort_by_length:
                 step_rows = sorted(step_rows, key=lambda row: lengths[row])
             finite = True
-            for rows in _chunks(step_rows, args.train_mini_batch_size):
+            microbatches = _chunks(step_rows, args.train_mini_batch_size)
+            for index, rows in enumerate(microbatches):
+                if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients once per step
+                    model.set_requires_gradient_sync(index == len(microbatches) - 1)
                 width = max(lengths[row] for row in rows)
                 input_ids, labels, mask = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels", "response_mask"))
                 ref = batch["ref_log_probs"][rows, :width].to(main_device) if "ref_log_probs" in batch else None
@@ -138,7 +143,10 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, sort_by
                 totals["tokens"] += sum(lengths[row] for row in rows)
                 totals["microbatches"] += 1
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if finite and torch.isfinite(grad_norm):
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+                grad_norm = grad_norm.full_tensor()
+            # every rank must agree, or the shards would step apart
+            if ranks.all_true(finite and bool(torch.isfinite(grad_norm))):
                 optimizer.step()
                 scheduler.step()
                 totals["grad_norm"] += grad_norm.item()
@@ -160,14 +168,24 @@ def _chunks(items, size):
 # --------------------------------------------------------------- evaluation
 
 
-def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step):
-    """Evaluate the current policy; returns the metrics dict (with samples)."""
-    if args.rollout_backend == "hf":
-        metrics = evaluate_math(HfEngine(model, tokenizer, batch_size=args.hf_batch_size), r1_zero_reward_fn,
-                                eval_set.prompts, eval_set.ground_truths, SamplingSettings.from_args(args, "eval_"))
-    elif args.eval_engine == "sampler" and args.rollout_sync_every == 1:
-        engine.load_weights(_named_weights(model))  # the sampler now holds the current policy
-        metrics = evaluate_math(engine, r1_zero_reward_fn, eval_set.prompts, eval_set.ground_truths, SamplingSettings.from_args(args, "eval_"))
+def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, ranks) -> tuple[dict, bool]:
+    """Evaluate the current policy on the eval split.
+
+    Returns the metrics (with samples) and whether the rollout engine now holds
+    the current weights (so the next step need not sync them again).
+    """
+    sampling = SamplingSettings.from_args(args, "eval_")
+    synced = False
+    if args.rollout_backend == "hf" and ranks.world_size == 1:
+        metrics = evaluate_math(HfEngine(model, tokenizer, batch_size=args.hf_batch_size), r1_zero_reward_fn, eval_set.prompts, eval_set.ground_truths, sampling)
+    elif (args.eval_engine == "sampler" and args.rollout_sync_every == 1) or ranks.world_size > 1:
+        engine.load_weights(ranks.full_weights(model))  # the sampler now holds the current policy
+        synced = True
+        # under torchrun each rank evaluates a slice; the samples are gathered on every rank
+        prompts, truths = rank_slice(eval_set.prompts, ranks), rank_slice(eval_set.ground_truths, ranks)
+        started = time.perf_counter()
+        local = evaluate_math(engine, r1_zero_reward_fn, prompts, truths, sampling)
+        metrics = summarize_samples(ranks.gather(local["samples"]), time.perf_counter() - started)
     else:
         # the seed's path: save the policy, evaluate it with a temporary vLLM engine on
         # the eval device. A child process, because vLLM keeps process-wide state:
@@ -180,63 +198,100 @@ def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step):
     if shown:
         writer.add_text("eval/samples", "\n\n---\n\n".join(
             f"**reward {s['reward']:.0f}** (truth {s['ground_truth']})\n\n```\n{s['response']}\n```" for s in shown), step)
-    print(f"eval step {step}: accuracy {metrics['avg_all_rewards']:.3f} format {metrics['format_reward']:.3f} "
-          f"response tokens {metrics['mean_response_tokens']:.0f} ({metrics['num_examples']} examples, {metrics['seconds']:.1f}s)")
-    return metrics
+    if ranks.is_main:
+        print(f"eval step {step}: accuracy {metrics['avg_all_rewards']:.3f} format {metrics['format_reward']:.3f} "
+              f"response tokens {metrics['mean_response_tokens']:.0f} ({metrics['num_examples']} examples, {metrics['seconds']:.1f}s)")
+    return metrics, synced
 
 
-def _named_weights(model):
-    """(name, tensor) pairs in checkpoint naming, what vLLM's load_weights expects."""
-    return ((name, tensor.detach()) for name, tensor in model.state_dict().items())
+def rank_slice(items: list, ranks) -> list:
+    """This rank's contiguous share of `items` (all of them in one process)."""
+    share = len(items) // ranks.world_size
+    return items[ranks.rank * share : (ranks.rank + 1) * share] if ranks.world_size > 1 else items
+
+
+class NullWriter:
+    """TensorBoard for ranks other than 0: they compute, rank 0 writes."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+    def add_text(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+def save_policy(ranks, model, tokenizer, path) -> None:
+    """Gather the full weights (a collective under torchrun); rank 0 writes the HF folder."""
+    state_dict = ranks.full_state_dict_on_main(model)
+    if ranks.is_main:
+        save_model_atomically(model, tokenizer, path, state_dict=state_dict)
+    ranks.barrier()
 
 
 # ---------------------------------------------------------------- the loop
 
 
 def train(args, base_model_checkpoint_path) -> dict:
+    ranks = distributed.setup(args)  # one process (seed), or a torchrun launch with FSDP2
+    say = print if ranks.is_main else (lambda *_, **__: None)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     num_layers = json.loads((Path(base_model_checkpoint_path) / "config.json").read_text())["num_hidden_layers"]
-    roles = resolve_role_devices(args, num_layers)
+    if ranks.world_size > 1 or args.policy_parallel == "fsdp":
+        check_fsdp_sizes(args, ranks)
+        device = ranks.device  # every role of this rank on its own device
+        roles = {"sample": device, "reference": device, "eval": device, "policy_main": device, "policy_layers": [device] * num_layers}
+        args.sample_device = args.reference_model_device = args.eval_device = device
+    else:
+        roles = resolve_role_devices(args, num_layers)
     main_device = roles["policy_main"]
     dtype = resolve_dtype(args.dtype, main_device)
-    print("role -> device\n" + format_role_table(roles))
+    say("role -> device" + (f" (each of {ranks.world_size} ranks, FSDP2 policy)" if ranks.world_size > 1 else "") + "\n" + format_role_table(roles))
 
     state = load_training_state(args.state_dir) if args.resume else None
     if args.resume and state is None:
-        print(f"--resume: no training state in {args.state_dir}; starting from the SFT checkpoint")
+        say(f"--resume: no training state in {args.state_dir}; starting from the SFT checkpoint")
 
     # init order (seed): writer, sampler, tokenizer, policy, reference, data, optimizer
-    writer = SummaryWriter(f"{args.log_dir}/{args.run_name}", purge_step=state["step"] + 1 if state else None)
+    writer = SummaryWriter(f"{args.log_dir}/{args.run_name}", purge_step=state["step"] + 1 if state else None) if ranks.is_main else NullWriter()
     steps_log = Path(args.log_dir) / args.run_name / "steps.jsonl"  # one JSON line of scalars per step
-    if state is None:
+    if ranks.is_main and state is None:
         steps_log.unlink(missing_ok=True)
-    elif steps_log.exists():  # drop steps logged after the state was saved (they run again)
+    elif ranks.is_main and steps_log.exists():  # drop steps logged after the state was saved (they run again)
         kept = [line for line in steps_log.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
         steps_log.write_text("".join(line + "\n" for line in kept))
     start_weights = state["policy_path"] if state else base_model_checkpoint_path
     if args.rollout_backend == "vllm":
         policy_gpus = set(roles["policy_layers"]) | {main_device, args.reference_model_device}
-        engine = VllmEngine(start_weights, args.sample_device, dtype=str(resolve_dtype(args.dtype, args.sample_device)).removeprefix("torch."), seed=args.seed,
+        engine = VllmEngine(start_weights, args.sample_device, dtype=str(resolve_dtype(args.dtype, args.sample_device)).removeprefix("torch."), seed=args.seed + ranks.rank,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
                             enforce_eager=args.vllm_enforce_eager, shares_gpu=args.sample_device in policy_gpus)
-        print(f"vLLM sampler on {args.sample_device} started in {engine.start_seconds:.1f}s")
+        say(f"vLLM sampler on {args.sample_device} started in {engine.start_seconds:.1f}s")
     tokenizer = load_tokenizer(args.model or base_model_checkpoint_path)
     model = load_hf_model(start_weights, "cpu", dtype)
-    place_model(model, main_device, roles["policy_layers"])
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.torch_compile:
         for layer in model.model.layers:  # one graph for all layers; dynamic: widths vary per microbatch
             layer.compile(dynamic=True)
+    if ranks.world_size > 1:
+        model.to(main_device)
+        distributed.shard_policy(model)
+    else:
+        place_model(model, main_device, roles["policy_layers"])  # the seed's layer partition
     model.config.use_cache = False
     model.train()
     reference_model = None
     if args.kl_coef > 0 or args.old_policy == "reference" or args.log_reference_kl:
         reference_model = load_hf_model(base_model_checkpoint_path, args.reference_model_device, dtype).eval().requires_grad_(False)
     if args.rollout_backend == "hf":
-        # sync every step: sample with the policy itself; otherwise a copy that lags
-        sampler_model = model if args.rollout_sync_every == 1 else load_hf_model(start_weights, args.sample_device, dtype)
+        # sync every step in one process: sample with the policy itself; otherwise a copy
+        # (a sharded policy cannot generate: ranks would run different numbers of forwards)
+        own_copy = args.rollout_sync_every != 1 or ranks.world_size > 1
+        sampler_model = load_hf_model(start_weights, args.sample_device, dtype) if own_copy else model
         engine = HfEngine(sampler_model, tokenizer, batch_size=args.hf_batch_size)
 
     dataset = Gsm8kDataset("train", args.data_dir, limit=args.num_train_examples)
@@ -252,15 +307,16 @@ def train(args, base_model_checkpoint_path) -> dict:
     step, epoch, batch_in_epoch, skipped_in_a_row, skipped_total, zero_signal_batches = 0, 0, 0, 0, 0, 0
     policy_version, sampler_version = 0, 0
     if state:
-        optimizer.load_state_dict(state["optimizer"])
+        distributed.load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-        skipped_total = state["skipped_steps"]
+        skipped_total, zero_signal_batches = state["skipped_steps"], state.get("zero_signal_batches", 0)
         policy_version = sampler_version = state["policy_version"]
-        print(f"resumed from {args.state_dir} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
+        say(f"resumed from {args.state_dir} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
 
     rollout_sampling = SamplingSettings.from_args(args, "sampling_")
     single_step_per_batch = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.total_rollouts
+    rank_args = per_rank_args(args, ranks)  # this rank's share of the batch sizes
     eval_metrics = {}
     while step < total_steps:
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
@@ -270,25 +326,28 @@ def train(args, base_model_checkpoint_path) -> dict:
             batch_in_epoch += 1
             timings = {}
             step_started = time.perf_counter()
+            # under torchrun each rank takes whole prompts, so every group stays on one rank
+            prompts, ground_truths = rank_slice(list(prompts), ranks), rank_slice(list(ground_truths), ranks)
 
             # 1. rollouts follow the policy: copy weights in when the sampler lags
             started = time.perf_counter()
             if args.rollout_sync_every and policy_version - sampler_version >= args.rollout_sync_every:
-                engine.load_weights(_named_weights(model))
+                engine.load_weights(ranks.full_weights(model))
                 sampler_version = policy_version
             timings["sync"] = time.perf_counter() - started
 
             # 2. sample group_size responses per prompt
             started = time.perf_counter()
-            grouped_prompts, grouped_truths, generations = sample_rollouts(engine, list(prompts), list(ground_truths), args.group_size, rollout_sampling, args.seed * 100003 + step)
+            grouped_prompts, grouped_truths, generations = sample_rollouts(engine, prompts, ground_truths, args.group_size, rollout_sampling, args.seed * 100003 + step * 1009 + ranks.rank)
             responses = [g.text for g in generations]
             timings["rollout"] = time.perf_counter() - started
-            generated_tokens = sum(g.num_tokens for g in generations)
+            generated_tokens = ranks.sum(sum(g.num_tokens for g in generations))
 
             # 3. rewards, then advantages normalised within each prompt's group
             started = time.perf_counter()
             scores = grade_responses(responses, grouped_truths)
             advantages, raw_rewards, reward_meta = advantages_from_scores(scores, args.group_size, args.advantage_eps, args.use_std_normalization)
+            reward_meta = reduce_reward_meta(reward_meta, raw_rewards, ranks)
             timings["reward"] = time.perf_counter() - started
 
             # 4. token sequences: prompt + the sampled ids (or the seed's re-tokenised
@@ -307,7 +366,7 @@ def train(args, base_model_checkpoint_path) -> dict:
             # its gradient is exactly zero (without KL), so skip the work, and keep Adam's
             # momentum from moving the weights on no evidence.
             signal = raw_rewards if args.loss_type == "no_baseline" else advantages
-            has_signal = args.kl_coef > 0 or bool(signal.abs().max() > 0)
+            has_signal = ranks.any_true(args.kl_coef > 0 or bool(signal.abs().max() > 0))
             started = time.perf_counter()
             if has_signal and reference_model is not None:
                 batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, args.logprob_chunk_size)
@@ -318,11 +377,11 @@ def train(args, base_model_checkpoint_path) -> dict:
             # 6. policy-gradient update: log-probs, loss, backward, clip, step
             started = time.perf_counter()
             if has_signal:
-                totals = update_policy(model, optimizer, scheduler, batch, args, main_device)
+                totals = reduce_totals(update_policy(model, optimizer, scheduler, batch, rank_args, main_device, ranks=ranks), ranks)
             else:
                 totals = empty_totals()
                 zero_signal_batches += 1
-                print(f"step {step}: every group has equal rewards, no learning signal; update skipped", flush=True)
+                say(f"step {step}: every group has equal rewards, no learning signal; update skipped", flush=True)
             timings["update"] = time.perf_counter() - started
             if totals["optimizer_steps"]:
                 policy_version += 1
@@ -338,41 +397,92 @@ def train(args, base_model_checkpoint_path) -> dict:
             timings["eval"] = 0.0
             if args.evaluate_freq and step % args.evaluate_freq == 0:
                 started = time.perf_counter()
-                eval_metrics = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step)
-                if args.rollout_backend == "vllm" and args.eval_engine == "sampler" and args.rollout_sync_every == 1:
+                eval_metrics, synced = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, ranks)
+                if synced:
                     sampler_version = policy_version
                 timings["eval"] = time.perf_counter() - started
 
             timings["step"] = time.perf_counter() - step_started
-            _log_step(writer, args, step, total_steps, reward_meta, totals, timings, generated_tokens, len(responses), skipped_total, zero_signal_batches, scheduler)
+            if ranks.is_main:
+                _log_step(writer, args, step, total_steps, reward_meta, totals, timings, generated_tokens, args.total_rollouts, skipped_total, zero_signal_batches, scheduler)
 
             if args.save_state_every and step % args.save_state_every == 0:
-                save_training_state(args.state_dir, model, tokenizer, optimizer, scheduler, {
-                    "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
-                    "skipped_steps": skipped_total, "policy_version": policy_version,
-                })
-                print(f"saved training state at step {step} to {args.state_dir}", flush=True)
+                counters = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "skipped_steps": skipped_total,
+                            "zero_signal_batches": zero_signal_batches, "policy_version": policy_version, "world_size": ranks.world_size}
+                model_state, optimizer_state = ranks.full_state_dict_on_main(model), ranks.optimizer_state_on_main(model, optimizer)
+                if ranks.is_main:
+                    save_training_state(args.state_dir, model, tokenizer, model_state, optimizer_state, scheduler, counters)
+                    print(f"saved training state at step {step} to {args.state_dir}", flush=True)
+                ranks.barrier()
             if step >= total_steps:
                 break
         if batch_in_epoch == steps_per_epoch:
             # a full pass over the data: save the policy (seed), start the next epoch
-            save_model_atomically(model, tokenizer, args.checkpoint_path)
-            print(f"epoch {epoch} done: saved policy to {args.checkpoint_path}")
+            save_policy(ranks, model, tokenizer, args.checkpoint_path)
+            say(f"epoch {epoch} done: saved policy to {args.checkpoint_path}")
             epoch += 1
             batch_in_epoch = 0
 
     if not (args.evaluate_freq and step % args.evaluate_freq == 0):
-        eval_metrics = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step)
+        eval_metrics, _ = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, ranks)
     if batch_in_epoch:  # stopped mid-epoch (--max_steps): save what we have
-        save_model_atomically(model, tokenizer, args.checkpoint_path)
-        print(f"saved RL checkpoint to {args.checkpoint_path}")
-    run_dir = Path(args.log_dir) / args.run_name
-    write_jsonl(run_dir / "final_eval_samples.jsonl", eval_metrics.pop("samples", []))
-    write_json(run_dir / "final_eval_metrics.json", {**eval_metrics, "step": step, "skipped_steps": skipped_total})
-    remove_training_state(args.state_dir)  # finished: the final checkpoint is the result
+        save_policy(ranks, model, tokenizer, args.checkpoint_path)
+        say(f"saved RL checkpoint to {args.checkpoint_path}")
+    if ranks.is_main:
+        run_dir = Path(args.log_dir) / args.run_name
+        write_jsonl(run_dir / "final_eval_samples.jsonl", eval_metrics.get("samples", []))
+        write_json(run_dir / "final_eval_metrics.json", {**{k: v for k, v in eval_metrics.items() if k != "samples"}, "step": step, "skipped_steps": skipped_total})
+        remove_training_state(args.state_dir)  # finished: the final checkpoint is the result
+    eval_metrics.pop("samples", None)
     writer.close()
     engine.close()
+    ranks.close()
     return eval_metrics
+
+
+def check_fsdp_sizes(args, ranks) -> None:
+    """Batch sizes must split evenly over the ranks (whole prompts per rank)."""
+    if args.rollout_batch_size % ranks.world_size:
+        raise UserError(f"--rollout_batch_size {args.rollout_batch_size} must be divisible by the {ranks.world_size} ranks (each takes whole prompts)")
+    if (args.train_batch_size // ranks.world_size) % args.train_mini_batch_size or args.train_batch_size % ranks.world_size:
+        raise UserError(f"--train_batch_size {args.train_batch_size} / {ranks.world_size} ranks must be a multiple of --train_mini_batch_size {args.train_mini_batch_size}")
+
+
+def per_rank_args(args, ranks):
+    """A copy of args with this rank's share of an optimizer step's sequences.
+
+    Each rank averages its loss over its own sequences; FSDP averages gradients over
+    ranks, which is the mean over all sequences because the shares are equal.
+    """
+    if ranks.world_size == 1:
+        return args
+    local = argparse.Namespace(**vars(args))
+    local.train_batch_size = args.train_batch_size // ranks.world_size
+    local.gradient_accumulation_steps = local.train_batch_size // args.train_mini_batch_size
+    return local
+
+
+def reduce_reward_meta(meta: dict, raw_rewards, ranks) -> dict:
+    """Reward statistics over every rank's rollouts."""
+    if ranks.world_size == 1:
+        return meta
+    rewards = torch.tensor(ranks.gather(raw_rewards.tolist()))
+    return {
+        "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(), "reward_max": rewards.max().item(), "reward_min": rewards.min().item(),
+        "format_reward_mean": ranks.mean(meta["format_reward_mean"]), "answer_reward_mean": ranks.mean(meta["answer_reward_mean"]),
+        "fraction_groups_all_equal": ranks.mean(meta["fraction_groups_all_equal"]),
+    }
+
+
+def reduce_totals(totals: dict, ranks) -> dict:
+    """Per-rank means become global means (equal shares); token counts add up."""
+    if ranks.world_size == 1:
+        return totals
+    reduced = dict(totals)
+    for key in ("loss", "entropy", "clip_fraction", "kl_ref"):
+        reduced[key] = ranks.mean(totals[key])
+    reduced["tokens"] = int(ranks.sum(totals["tokens"]))
+    return reduced
 
 
 def sequence_lengths(mask) -> list[int]:

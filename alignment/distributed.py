@@ -1,0 +1,146 @@
+"""Data-parallel training under torchrun with FSDP2 (`--policy_parallel fsdp`).
+
+    torchrun --nproc_per_node 8 -m alignment.train_rl --policy_parallel fsdp ...
+    torchrun --nnodes 2 --node_rank R --nproc_per_node 8 --rdzv_backend c10d \\
+        --rdzv_endpoint HOST:29500 --rdzv_id run1 -m alignment.train_rl --policy_parallel fsdp ...
+
+Each rank holds a shard of the policy (`fully_shard` per decoder layer, then the
+root), a full frozen reference model, and its own rollout engine on its own device
+(vLLM with a small memory fraction, or an HF copy). The prompts of each rollout
+batch are split across ranks whole groups at a time, so group normalisation stays
+local; gradients are averaged by FSDP, which equals the global mean because every
+rank holds the same number of sequences. Only rank 0 writes TensorBoard, logs and
+checkpoints (full Hugging Face folders, gathered from the shards).
+
+Why the reference is replicated, not sharded: it is frozen and forward-only, so a
+replica costs one model's memory per GPU (3 GB in bf16 for 1.5B) and no
+communication, where a sharded one would all-gather every layer on every pass.
+
+`Ranks` is the small interface train_rl uses; `SingleProcess` is the same interface
+for the seed's one-process layer partition, where every call is a no-op.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from alignment.errors import UserError
+
+
+class SingleProcess:
+    """One process (the seed's `--policy_parallel layers`): reductions are identities."""
+
+    rank, world_size, is_main = 0, 1, True
+
+    def all_true(self, flag: bool) -> bool:
+        return flag
+
+    def any_true(self, flag: bool) -> bool:
+        return flag
+
+    def mean(self, value: float) -> float:
+        return value
+
+    def sum(self, value: float) -> float:
+        return value
+
+    def gather(self, items: list) -> list:
+        return items
+
+    def barrier(self) -> None:
+        pass
+
+    def full_weights(self, model):
+        """(name, tensor) pairs of the whole model, checkpoint naming, on every rank."""
+        return ((name, tensor.detach()) for name, tensor in model.state_dict().items())
+
+    def full_state_dict_on_main(self, model) -> dict:
+        return model.state_dict()
+
+    def optimizer_state_on_main(self, model, optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def close(self) -> None:
+        pass
+
+
+class TorchDistributed(SingleProcess):
+    """A torchrun launch: NCCL between GPUs, gloo on CPUs."""
+
+    def __init__(self):
+        if "RANK" not in os.environ:
+            raise UserError("--policy_parallel fsdp needs a torchrun launch: torchrun --nproc_per_node N -m alignment.train_rl --policy_parallel fsdp ...")
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
+        if self.device != "cpu":
+            torch.cuda.set_device(self.local_rank)
+        dist.init_process_group("nccl" if self.device != "cpu" else "gloo")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.is_main = self.rank == 0
+
+    def _reduce(self, value: float, op) -> float:
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=op)
+        return tensor.item()
+
+    def all_true(self, flag: bool) -> bool:
+        return self._reduce(1.0 if flag else 0.0, dist.ReduceOp.MIN) > 0
+
+    def any_true(self, flag: bool) -> bool:
+        return self._reduce(1.0 if flag else 0.0, dist.ReduceOp.MAX) > 0
+
+    def mean(self, value: float) -> float:
+        return self._reduce(value, dist.ReduceOp.SUM) / self.world_size
+
+    def sum(self, value: float) -> float:
+        return self._reduce(value, dist.ReduceOp.SUM)
+
+    def gather(self, items: list) -> list:
+        """Every rank's list, concatenated in rank order, on every rank."""
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, items)
+        return [item for part in gathered for item in part]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def full_weights(self, model):
+        # one all-gather per parameter, every rank in the same order; tied weights once
+        from torch.distributed.tensor import DTensor
+
+        for name, parameter in model.named_parameters():
+            tensor = parameter.detach()
+            yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    def full_state_dict_on_main(self, model) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def setup(args):
+    """`Ranks` for this launch: TorchDistributed under fsdp, else SingleProcess."""
+    return TorchDistributed() if args.policy_parallel == "fsdp" else SingleProcess()
+
+
+def shard_policy(model) -> None:
+    """FSDP2: shard each decoder layer, then the rest (embeddings, norm, lm_head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def load_optimizer_state(model, optimizer, state: dict) -> None:
+    """Load a full, name-keyed optimizer state into any layout (one GPU, layers, any FSDP world size)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))

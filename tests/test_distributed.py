@@ -1,0 +1,104 @@
+"""--policy_parallel fsdp: two gloo ranks on the CPU match one process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
+from alignment.tiny_model import build_tiny_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
+def run(command, timeout=600):
+    result = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout
+
+
+def test_two_rank_fsdp_step_equals_one_process_step(tiny_checkpoint, tmp_path):
+    run([sys.executable, "tests/fsdp_step_check.py", str(tiny_checkpoint), str(tmp_path / "one.pt")])
+    run([*TORCHRUN, "tests/fsdp_step_check.py", str(tiny_checkpoint), str(tmp_path / "two.pt")])
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    from safetensors.torch import load_file
+
+    start = load_file(str(tiny_checkpoint / "model.safetensors"))
+    assert start.keys() <= one["weights"].keys() and start.keys() <= two["weights"].keys()
+    for name in start:
+        assert torch.allclose(two["weights"][name], one["weights"][name], atol=1e-5), name
+    changed = [name for name in start if not torch.allclose(one["weights"][name], start[name], atol=1e-4)]
+    assert len(changed) > len(start) // 2  # the step really moved the weights
+
+
+def test_train_rl_under_torchrun_end_to_end(tmp_path):
+    data = write_synthetic_gsm8k(tmp_path / "data", num_train=32, num_test=8, seed=3)
+    sft = build_tiny_checkpoint(tmp_path / "sft", texts=tokenizer_corpus(data), vocab_size=400)
+    flags = [
+        "--sft_checkpoint_path", str(sft), "--checkpoint_path", str(tmp_path / "rl"), "--data_dir", str(data),
+        "--log_dir", str(tmp_path / "runs"), "--run_name", "fsdp", "--policy_parallel", "fsdp", "--rollout_backend", "hf",
+        "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "4", "--sampling_max_tokens", "12",
+        "--eval_max_tokens", "12", "--eval_num_examples", "8", "--max_steps", "2", "--evaluate_freq", "2",
+        "--kl_coef", "0.05", "--learning_rate", "1e-3", "--save_state_every", "1",
+    ]
+    out = run([*TORCHRUN, "-m", "alignment.train_rl", *flags])
+    assert "each of 2 ranks, FSDP2 policy" in out
+    steps = [json.loads(line) for line in open(tmp_path / "runs" / "fsdp" / "steps.jsonl")]
+    assert [s["step"] for s in steps] == [1, 2]  # rank 0 alone writes
+    final = json.loads((tmp_path / "runs" / "fsdp" / "final_eval_metrics.json").read_text())
+    assert final["num_examples"] == 8  # two ranks' halves gathered
+    assert (tmp_path / "rl" / "model.safetensors").is_file()  # a full HF checkpoint from the shards
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "rl")
+
+
+def kill_processes_mentioning(text: str, signal_number) -> None:
+    """Kill every process whose command line contains `text` (a crash of the whole launch)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), signal_number)
+            except (OSError, ProcessLookupError):
+                pass
+
+
+def test_state_saved_by_two_ranks_resumes_in_one_process(tmp_path):
+    """The training state is full weights + a name-keyed optimizer: any world size resumes it."""
+    import signal
+    import time
+
+    data = write_synthetic_gsm8k(tmp_path / "data", num_train=32, num_test=4, seed=4)
+    sft = build_tiny_checkpoint(tmp_path / "sft", texts=tokenizer_corpus(data), vocab_size=400)
+    flags = [
+        "--sft_checkpoint_path", str(sft), "--checkpoint_path", str(tmp_path / "rl"), "--data_dir", str(data),
+        "--log_dir", str(tmp_path / "runs"), "--run_name", "switch", "--rollout_backend", "hf", "--layout", "auto",
+        "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "4", "--sampling_max_tokens", "12",
+        "--eval_max_tokens", "12", "--eval_num_examples", "4", "--max_steps", "3", "--evaluate_freq", "0",
+        "--kl_coef", "0.05", "--learning_rate", "1e-3", "--save_state_every", "1",
+    ]
+    process = subprocess.Popen([*TORCHRUN, "-m", "alignment.train_rl", *flags, "--policy_parallel", "fsdp"], cwd=REPO_ROOT, env=ENV,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    for line in process.stdout:
+        if line.startswith("saved training state at step 1"):
+            kill_processes_mentioning(str(tmp_path / "rl"), signal.SIGKILL)  # torchrun's workers run in their own sessions
+            break
+        assert time.time() < deadline
+    process.wait()
+    counters = json.loads((tmp_path / "rl.state" / "counters.json").read_text())
+    assert counters["step"] == 1 and counters["world_size"] == 2
+    out = run([sys.executable, "-m", "alignment.train_rl", *flags, "--resume"])  # one process, the seed's layout
+    assert "resumed from" in out and "at step 1" in out
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "runs" / "switch" / "steps.jsonl")]
+    assert steps == [1, 2, 3]
+    assert (tmp_path / "rl" / "model.safetensors").is_file() and not (tmp_path / "rl.state").exists()
