@@ -20,11 +20,13 @@ communication, where a sharded one would all-gather every layer on every pass.
 for the seed's one-process layer partition, where every call is a no-op.
 """
 
+import argparse
 import os
 
 import torch
 import torch.distributed as dist
 
+from alignment.checkpoint import save_model_atomically
 from alignment.errors import UserError
 
 
@@ -144,3 +146,75 @@ def load_optimizer_state(model, optimizer, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+def rank_slice(items: list, ranks) -> list:
+    """This rank's contiguous share of `items` (all of them in one process)."""
+    share = len(items) // ranks.world_size
+    return items[ranks.rank * share : (ranks.rank + 1) * share] if ranks.world_size > 1 else items
+
+
+class NullWriter:
+    """TensorBoard for ranks other than 0: they compute, rank 0 writes."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+    def add_text(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+def save_policy(ranks, model, tokenizer, path) -> None:
+    """Gather the full weights (a collective under torchrun); rank 0 writes the HF folder."""
+    state_dict = ranks.full_state_dict_on_main(model)
+    if ranks.is_main:
+        save_model_atomically(model, tokenizer, path, state_dict=state_dict)
+    ranks.barrier()
+
+
+def check_fsdp_sizes(args, ranks) -> None:
+    """Batch sizes must split evenly over the ranks (whole prompts per rank)."""
+    if args.rollout_batch_size % ranks.world_size:
+        raise UserError(f"--rollout_batch_size {args.rollout_batch_size} must be divisible by the {ranks.world_size} ranks (each takes whole prompts)")
+    if (args.train_batch_size // ranks.world_size) % args.train_mini_batch_size or args.train_batch_size % ranks.world_size:
+        raise UserError(f"--train_batch_size {args.train_batch_size} / {ranks.world_size} ranks must be a multiple of --train_mini_batch_size {args.train_mini_batch_size}")
+
+
+def per_rank_args(args, ranks):
+    """A copy of args with this rank's share of an optimizer step's sequences.
+
+    Each rank averages its loss over its own sequences; FSDP averages gradients over
+    ranks, which is the mean over all sequences because the shares are equal.
+    """
+    if ranks.world_size == 1:
+        return args
+    local = argparse.Namespace(**vars(args))
+    local.train_batch_size = args.train_batch_size // ranks.world_size
+    local.gradient_accumulation_steps = local.train_batch_size // args.train_mini_batch_size
+    return local
+
+
+def reduce_reward_meta(meta: dict, raw_rewards, ranks) -> dict:
+    """Reward statistics over every rank's rollouts."""
+    if ranks.world_size == 1:
+        return meta
+    rewards = torch.tensor(ranks.gather(raw_rewards.tolist()))
+    return {
+        "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(), "reward_max": rewards.max().item(), "reward_min": rewards.min().item(),
+        "format_reward_mean": ranks.mean(meta["format_reward_mean"]), "answer_reward_mean": ranks.mean(meta["answer_reward_mean"]),
+        "fraction_groups_all_equal": ranks.mean(meta["fraction_groups_all_equal"]),
+    }
+
+
+def reduce_totals(totals: dict, ranks) -> dict:
+    """Per-rank means become global means (equal shares); token counts add up."""
+    if ranks.world_size == 1:
+        return totals
+    reduced = dict(totals)
+    for key in ("loss", "entropy", "clip_fraction", "kl_ref"):
+        reduced[key] = ranks.mean(totals[key])
+    reduced["tokens"] = int(ranks.sum(totals["tokens"]))
+    return reduced

@@ -3,6 +3,7 @@
     python -m alignment.train_rl                                  # seed: 8 GPUs, roles on cuda:7/6/5
     python -m alignment.train_rl --layout auto --loss_type grpo_clip --group_size 8
     python -m alignment.train_rl --layout auto --rollout_backend hf   # no vLLM needed
+    torchrun --nproc_per_node 8 -m alignment.train_rl --policy_parallel fsdp   # data parallel, FSDP2
     tensorboard --logdir runs
 
 If --checkpoint_path already holds weights, the script only evaluates that
@@ -21,6 +22,8 @@ Where this departs from the seed, each one flag away from the seed's behaviour:
   rollout, PPO); --old_policy reference compares against the frozen reference
   model as the seed did. With one optimizer step per rollout batch the old
   log-probs are the policy's own, detached (ratio 1, no extra forward);
+- the update trains on the token ids the sampler produced (--rollout_tokens text
+  re-tokenises prompt + response text as the seed did, which can change tokens);
 - log-probs score the next token (labels shifted by one) and are computed with a
   fused, chunked lm_head + log-softmax (--logprob_chunk_size 0 = naive);
 - evaluation syncs the sampler and evaluates there (--eval_engine sampler);
@@ -29,10 +32,13 @@ Where this departs from the seed, each one flag away from the seed's behaviour:
 - additions: --kl_coef (k3 KL to the reference; mean KL is logged either way),
   --length_normalization constant (Dr. GRPO), --cliprange_high (DAPO),
   --epochs_per_rollout_batch / --train_batch_size, --layout auto, resumable
-  training state (--save_state_every, --resume), non-finite steps skipped.
+  training state (--save_state_every, --resume), non-finite steps skipped,
+  batches with no learning signal skipped, --torch_compile, and
+  --policy_parallel fsdp (alignment/distributed.py).
+The update itself (microbatches, clipping, optimizer step) is in policy_update.py;
+the loss math in grpo.py.
 """
 
-import argparse
 import json
 import math
 import random
@@ -48,13 +54,15 @@ from alignment.args import build_sft_parser, check_checkpoint, has_weights, mode
 from alignment.checkpoint import has_training_state, load_training_state, recover_checkpoint, remove_training_state, save_model_atomically, save_training_state
 from alignment.data import Gsm8kDataset
 from alignment.devices import format_role_table, place_model, resolve_dtype, resolve_role_devices
+from alignment.distributed import NullWriter, check_fsdp_sizes, per_rank_args, rank_slice, reduce_reward_meta, reduce_totals, save_policy
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
 from alignment.errors import UserError, run_cli
 from alignment.evaluate import evaluate_in_subprocess, evaluate_math, format_metrics_table, summarize_samples, write_json, write_jsonl
-from alignment.grpo import advantages_from_scores, grpo_microbatch_train_step
+from alignment.grpo import advantages_from_scores
 from alignment.optim import build_optimizer, build_scheduler
+from alignment.policy_update import empty_totals, score_with, sequence_lengths, update_policy
 from alignment.rollout import HfEngine, SamplingSettings, VllmEngine, build_engine, load_hf_model, load_tokenizer
-from alignment.sft_helpers import get_response_log_probs, tokenize_rollout_ids, tokenize_rollouts
+from alignment.sft_helpers import tokenize_rollout_ids, tokenize_rollouts
 
 
 # ------------------------------------------------------------------ the step
@@ -67,102 +75,6 @@ def sample_rollouts(engine, prompts, ground_truths, group_size, sampling, seed):
     torch.manual_seed(seed)  # the HF backend samples from torch's RNG: same step, same rollouts
     generations = engine.generate(grouped_prompts, sampling)
     return grouped_prompts, grouped_ground_truths, generations
-
-
-@torch.no_grad()
-def score_with(model, batch, rows_per_chunk, main_device, chunk_size):
-    """(N, T) log-probs of every rollout under `model`, no grad, kept on the CPU.
-
-    Used for the frozen reference model (on its own device: only the (B, T)
-    result moves, never logits) and for the pre-update policy.
-    """
-    device = model.get_input_embeddings().weight.device
-    result = torch.zeros(batch["labels"].shape, dtype=torch.float32)
-    by_length = sorted(range(result.shape[0]), key=lambda row: batch["lengths"][row])  # less padding per chunk
-    with torch.inference_mode():
-        for rows in _chunks(by_length, rows_per_chunk):
-            width = max(batch["lengths"][row] for row in rows)
-            log_probs = get_response_log_probs(model, batch["input_ids"][rows, :width].to(device), batch["labels"][rows, :width].to(device), chunk_size=chunk_size)["log_probs"]
-            result[rows, :width] = log_probs.float().cpu()
-    return result
-
-
-def update_policy(model, optimizer, scheduler, batch, args, main_device, sort_by_length=True, ranks=distributed.SingleProcess()):
-    """All optimizer steps for one rollout batch; returns summed metrics.
-
-    `batch` holds (N, T) input_ids / labels / response_mask / ref_log_probs and
-    (N,) raw_rewards and advantages for the N rollouts, plus old_log_probs when
-    grpo_clip needs them from a separate pass. Microbatches of
-    --train_mini_batch_size are accumulated into optimizer steps of
-    --train_batch_size, for --epochs_per_rollout_batch passes. Rows are
-    length-sorted within each optimizer step so microbatches carry little padding
-    (equal-size microbatches: the summed gradient does not depend on the order;
-    the benchmarks pass sort_by_length=False to measure what it saves).
-    """
-    n_rollouts = batch["input_ids"].shape[0]
-    lengths = batch["lengths"]
-    totals = empty_totals()
-    generator = torch.Generator().manual_seed(args.seed)
-    for _ in range(args.epochs_per_rollout_batch):
-        order = torch.randperm(n_rollouts, generator=generator).tolist() if args.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
-        for step_rows in _chunks(order, args.train_batch_size):
-            if sort_by_length:
-                step_rows = sorted(step_rows, key=lambda row: lengths[row])
-            finite = True
-            microbatches = _chunks(step_rows, args.train_mini_batch_size)
-            for index, rows in enumerate(microbatches):
-                if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients once per step
-                    model.set_requires_gradient_sync(index == len(microbatches) - 1)
-                width = max(lengths[row] for row in rows)
-                input_ids, labels, mask = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels", "response_mask"))
-                ref = batch["ref_log_probs"][rows, :width].to(main_device) if "ref_log_probs" in batch else None
-                out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=args.logprob_chunk_size)
-                log_probs = out["log_probs"]
-                old = None
-                if args.loss_type == "grpo_clip":
-                    if args.old_policy == "reference":
-                        old = ref  # the seed: ratio against the frozen start checkpoint
-                    elif "old_log_probs" in batch:
-                        old = batch["old_log_probs"][rows, :width].to(main_device)
-                    else:
-                        old = log_probs.detach()  # one step on fresh rollouts: the sampler's policy is this one
-                loss, meta = grpo_microbatch_train_step(
-                    log_probs, mask, args.gradient_accumulation_steps, args.loss_type,
-                    raw_rewards=batch["raw_rewards"][rows, None].to(main_device),
-                    advantages=batch["advantages"][rows, None].to(main_device),
-                    old_log_probs=old, cliprange=args.cliprange, cliprange_high=args.cliprange_high,
-                    length_normalization=args.length_normalization, normalize_constant=args.length_normalization_constant,
-                    kl_coef=args.kl_coef, ref_log_probs=ref,
-                )
-                finite = finite and bool(torch.isfinite(loss))
-                token_count = mask.sum().clamp(min=1)
-                totals["loss"] += loss.item()
-                totals["entropy"] += ((out["token_entropy"] * mask).sum() / token_count).item()
-                totals["clip_fraction"] += meta.get("clip_fraction", torch.zeros(())).item()
-                totals["kl_ref"] += meta["kl"].item() if "kl" in meta else float("nan")
-                totals["tokens"] += sum(lengths[row] for row in rows)
-                totals["microbatches"] += 1
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-                grad_norm = grad_norm.full_tensor()
-            # every rank must agree, or the shards would step apart
-            if ranks.all_true(finite and bool(torch.isfinite(grad_norm))):
-                optimizer.step()
-                scheduler.step()
-                totals["grad_norm"] += grad_norm.item()
-                totals["optimizer_steps"] += 1
-            else:
-                totals["skipped_steps"] += 1  # never write NaN/inf into the weights
-            optimizer.zero_grad(set_to_none=True)
-    return totals
-
-
-def empty_totals() -> dict:
-    return {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "optimizer_steps": 0, "skipped_steps": 0, "microbatches": 0}
-
-
-def _chunks(items, size):
-    return [items[start : start + size] for start in range(0, len(items), size)]
 
 
 # --------------------------------------------------------------- evaluation
@@ -202,33 +114,6 @@ def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, rank
         print(f"eval step {step}: accuracy {metrics['avg_all_rewards']:.3f} format {metrics['format_reward']:.3f} "
               f"response tokens {metrics['mean_response_tokens']:.0f} ({metrics['num_examples']} examples, {metrics['seconds']:.1f}s)")
     return metrics, synced
-
-
-def rank_slice(items: list, ranks) -> list:
-    """This rank's contiguous share of `items` (all of them in one process)."""
-    share = len(items) // ranks.world_size
-    return items[ranks.rank * share : (ranks.rank + 1) * share] if ranks.world_size > 1 else items
-
-
-class NullWriter:
-    """TensorBoard for ranks other than 0: they compute, rank 0 writes."""
-
-    def add_scalar(self, *args, **kwargs):
-        pass
-
-    def add_text(self, *args, **kwargs):
-        pass
-
-    def close(self):
-        pass
-
-
-def save_policy(ranks, model, tokenizer, path) -> None:
-    """Gather the full weights (a collective under torchrun); rank 0 writes the HF folder."""
-    state_dict = ranks.full_state_dict_on_main(model)
-    if ranks.is_main:
-        save_model_atomically(model, tokenizer, path, state_dict=state_dict)
-    ranks.barrier()
 
 
 # ---------------------------------------------------------------- the loop
@@ -438,58 +323,6 @@ def train(args, base_model_checkpoint_path) -> dict:
     engine.close()
     ranks.close()
     return eval_metrics
-
-
-def check_fsdp_sizes(args, ranks) -> None:
-    """Batch sizes must split evenly over the ranks (whole prompts per rank)."""
-    if args.rollout_batch_size % ranks.world_size:
-        raise UserError(f"--rollout_batch_size {args.rollout_batch_size} must be divisible by the {ranks.world_size} ranks (each takes whole prompts)")
-    if (args.train_batch_size // ranks.world_size) % args.train_mini_batch_size or args.train_batch_size % ranks.world_size:
-        raise UserError(f"--train_batch_size {args.train_batch_size} / {ranks.world_size} ranks must be a multiple of --train_mini_batch_size {args.train_mini_batch_size}")
-
-
-def per_rank_args(args, ranks):
-    """A copy of args with this rank's share of an optimizer step's sequences.
-
-    Each rank averages its loss over its own sequences; FSDP averages gradients over
-    ranks, which is the mean over all sequences because the shares are equal.
-    """
-    if ranks.world_size == 1:
-        return args
-    local = argparse.Namespace(**vars(args))
-    local.train_batch_size = args.train_batch_size // ranks.world_size
-    local.gradient_accumulation_steps = local.train_batch_size // args.train_mini_batch_size
-    return local
-
-
-def reduce_reward_meta(meta: dict, raw_rewards, ranks) -> dict:
-    """Reward statistics over every rank's rollouts."""
-    if ranks.world_size == 1:
-        return meta
-    rewards = torch.tensor(ranks.gather(raw_rewards.tolist()))
-    return {
-        "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(), "reward_max": rewards.max().item(), "reward_min": rewards.min().item(),
-        "format_reward_mean": ranks.mean(meta["format_reward_mean"]), "answer_reward_mean": ranks.mean(meta["answer_reward_mean"]),
-        "fraction_groups_all_equal": ranks.mean(meta["fraction_groups_all_equal"]),
-    }
-
-
-def reduce_totals(totals: dict, ranks) -> dict:
-    """Per-rank means become global means (equal shares); token counts add up."""
-    if ranks.world_size == 1:
-        return totals
-    reduced = dict(totals)
-    for key in ("loss", "entropy", "clip_fraction", "kl_ref"):
-        reduced[key] = ranks.mean(totals[key])
-    reduced["tokens"] = int(ranks.sum(totals["tokens"]))
-    return reduced
-
-
-def sequence_lengths(mask) -> list[int]:
-    """Length of each right-padded row up to its last response token (for trimming)."""
-    positions = torch.arange(mask.shape[1]).expand_as(mask)
-    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
-    return (last + 1).clamp(min=1).tolist()
 
 
 def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, generated_tokens, n_rollouts, skipped_total, zero_signal_batches, scheduler):

@@ -5,10 +5,10 @@
 
 Workload 1 (policy update): one optimizer step over a GRPO batch of 256 sequences,
 prompts from GSM8K (~150 tokens), response lengths 50..1024 (mean ~300), run by
-`train_rl.update_policy` (fwd + bwd + AdamW). Each row: tokens/s (real tokens,
+`update_policy` (fwd + bwd + AdamW). Each row: tokens/s (real tokens,
 padding excluded), MFU against the bf16 matmul rate measured in the same call,
 peak memory, and the share of computed positions that were padding.
-Workload 2 (log-prob pass): `train_rl.score_with`, forward only, as for the
+Workload 2 (log-prob pass): `score_with`, forward only, as for the
 reference model or the old policy.
 """
 
@@ -20,7 +20,7 @@ from common import REPO_ROOT, build_checkpoint, matmul_ceiling_tflops, synthetic
 
 import torch  # noqa: E402
 
-from alignment import train_rl  # noqa: E402
+from alignment.policy_update import score_with, update_policy  # noqa: E402
 from alignment.optim import build_optimizer, build_scheduler  # noqa: E402
 from alignment.rollout import load_hf_model, load_tokenizer  # noqa: E402
 
@@ -82,6 +82,7 @@ def main():
         variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     rows = []
     for name, (microbatch, chunk, sort, checkpointing, compiled) in variants.items():
+        model = optimizer = None  # free the previous variant's copy before making the next
         model = copy.deepcopy(base)
         model.train()
         model.config.use_cache = False
@@ -97,11 +98,10 @@ def main():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            seconds, times = timed(lambda: train_rl.update_policy(model, optimizer, scheduler, batch, step_args, device, sort_by_length=sort), device,
+            seconds, times = timed(lambda: update_policy(model, optimizer, scheduler, batch, step_args, device, sort_by_length=sort), device,
                                    repeats=args.repeats, warmup=2 if compiled else 1)
         except torch.OutOfMemoryError:
             rows.append({"workload": "update", "variant": name, "error": "out of memory"})
-            del model, optimizer
             continue
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else float("nan")
         computed = padded_positions(lengths, microbatch, sort)
@@ -111,7 +111,6 @@ def main():
             "peak_gib": peak, "padding_share": 1 - real_tokens / computed, "times": times,
         })
         write_result(args.out, "update" + ("_tiny" if args.tiny else ""), rows)
-        del model, optimizer
 
     base.eval()
     for name, (microbatch, chunk) in {"logprob_naive_mb16": (16, 0), "logprob_fused_mb32": (32, 1024), "logprob_fused_mb64": (64, 1024)}.items():
@@ -119,7 +118,7 @@ def main():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            seconds, times = timed(lambda: train_rl.score_with(base, batch, microbatch, device, chunk), device, repeats=args.repeats)
+            seconds, times = timed(lambda: score_with(base, batch, microbatch, device, chunk), device, repeats=args.repeats)
         except torch.OutOfMemoryError:
             rows.append({"workload": "logprob", "variant": name, "error": "out of memory"})
             continue

@@ -128,7 +128,7 @@ def response_lengths(count: int, seed: int, low: int = 50, high: int = 1024, mea
 def synthetic_grpo_batch(tokenizer, count: int, seed: int, tiny: bool, data_dir=None) -> dict:
     """A batch shaped like train_rl's: prompts from GSM8K, random response tokens."""
     from alignment.data import format_r1_zero_prompt
-    from alignment.train_rl import sequence_lengths
+    from alignment.policy_update import sequence_lengths
 
     questions = gsm8k_questions(data_dir)
     prompts = [tokenizer(format_r1_zero_prompt(questions[i % len(questions)]))["input_ids"] for i in range(count)]

@@ -15,9 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from alignment import distributed, train_rl  # noqa: E402
+from alignment import distributed  # noqa: E402
+from alignment.distributed import per_rank_args, rank_slice, reduce_totals  # noqa: E402
 from alignment.grpo import normalize_group_rewards  # noqa: E402
 from alignment.optim import build_scheduler  # noqa: E402
+from alignment.policy_update import sequence_lengths, update_policy  # noqa: E402
 from alignment.rollout import load_hf_model, load_tokenizer  # noqa: E402
 from alignment.sft_helpers import tokenize_rollout_ids  # noqa: E402
 
@@ -35,21 +37,21 @@ prompts = [f"User: Ava has {i} apples.\nAssistant: <think>" for i in range(4) fo
 responses = [torch.randint(0, len(tokenizer) - 1, (int(n),), generator=generator).tolist() for n in torch.randint(3, 12, (16,), generator=generator)]
 raw = (torch.rand(16, generator=generator) > 0.5).float()
 advantages, _ = normalize_group_rewards(raw, 4, 1e-6, True)
-rows = train_rl.rank_slice(list(range(16)), ranks)
+rows = rank_slice(list(range(16)), ranks)
 batch = {**tokenize_rollout_ids([prompts[i] for i in rows], [responses[i] for i in rows], tokenizer),
          "raw_rewards": raw[rows], "advantages": advantages[rows]}
-batch["lengths"] = train_rl.sequence_lengths(batch["response_mask"])
+batch["lengths"] = sequence_lengths(batch["response_mask"])
 args = SimpleNamespace(
     seed=0, epochs_per_rollout_batch=1, train_batch_size=16, train_mini_batch_size=4, gradient_accumulation_steps=4,
     loss_type="reinforce_with_baseline", old_policy="rollout", cliprange=0.2, cliprange_high=0.2,
     length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=0, max_grad_norm=1.0,
 )
-args = train_rl.per_rank_args(args, ranks)
+args = per_rank_args(args, ranks)
 # SGD, so equal weights mean equal gradients: Adam's first step is lr * sign(g), which
 # turns float-order noise in a near-zero gradient (advantages cancel within a group)
 # into a full +-lr difference
 optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-totals = train_rl.reduce_totals(train_rl.update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu", ranks=ranks), ranks)
+totals = reduce_totals(update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu", ranks=ranks), ranks)
 weights = ranks.full_state_dict_on_main(model)
 if ranks.is_main:
     torch.save({"loss": totals["loss"], "grad_norm": totals["grad_norm"], "weights": {k: v.detach().cpu() for k, v in weights.items()}}, out)

@@ -130,13 +130,15 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(pipeline):
 
 
 def test_non_finite_steps_stop_the_run_and_keep_the_last_good_state(pipeline, monkeypatch):
-    real_step = train_rl.grpo_microbatch_train_step
+    from alignment import policy_update
+
+    real_step = policy_update.grpo_microbatch_train_step
 
     def poisoned(*args, **kwargs):
         loss, meta = real_step(*args, **kwargs)
         return loss * float("nan"), meta
 
-    monkeypatch.setattr(train_rl, "grpo_microbatch_train_step", poisoned)
+    monkeypatch.setattr(policy_update, "grpo_microbatch_train_step", poisoned)
     with pytest.raises(UserError, match="2 optimizer steps in a row had a non-finite loss or gradient"):
         train_rl.main(flags(pipeline, "nan", "--max_skipped_steps", "2", "--save_state_every", "1"))
     logged = steps_log(pipeline, "nan")

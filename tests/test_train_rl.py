@@ -11,6 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from alignment import train_rl
+from alignment.policy_update import score_with, sequence_lengths, update_policy
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.sft_helpers import tokenize_rollouts
 from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
@@ -105,8 +106,8 @@ def test_one_step_loss_equals_hand_computation(pipeline):
     raw = torch.tensor([1.0, 0.0, 1.0, 0.0])
     advantages = torch.tensor([1.0, -0.5, 2.0, 0.25])  # not group-centred, so the loss is far from 0
     batch = {**tokenize_rollouts(prompts, responses, tokenizer), "raw_rewards": raw, "advantages": advantages}
-    batch["lengths"] = train_rl.sequence_lengths(batch["response_mask"])
-    batch["ref_log_probs"] = train_rl.score_with(model, batch, 2, "cpu", 0)
+    batch["lengths"] = sequence_lengths(batch["response_mask"])
+    batch["ref_log_probs"] = score_with(model, batch, 2, "cpu", 0)
 
     # hand computation: naive log_softmax+gather, per-sequence mean of -A * logp, batch mean
     with torch.no_grad():
@@ -121,7 +122,7 @@ def test_one_step_loss_equals_hand_computation(pipeline):
         length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=3, max_grad_norm=1e9,
     )
     optimizer = build_optimizer(model, 1e-3, 0.0)
-    totals = train_rl.update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu")
+    totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu")
     assert totals["loss"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)
     assert totals["optimizer_steps"] == 1 and totals["microbatches"] == 2 and totals["skipped_steps"] == 0
     assert totals["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # reference == policy before the step
@@ -135,7 +136,7 @@ def test_non_finite_gradient_skips_the_step(pipeline):
     prompts = ["User: Ava has 3 apples.\nAssistant: <think>"] * 2
     batch = {**tokenize_rollouts(prompts, [" 3 </answer>", " 4 </answer>"], tokenizer),
              "raw_rewards": torch.tensor([1.0, 0.0]), "advantages": torch.tensor([float("nan"), 0.0])}
-    batch["lengths"] = train_rl.sequence_lengths(batch["response_mask"])
+    batch["lengths"] = sequence_lengths(batch["response_mask"])
     batch["ref_log_probs"] = torch.zeros(batch["labels"].shape)
     args = SimpleNamespace(
         seed=0, epochs_per_rollout_batch=1, train_batch_size=2, train_mini_batch_size=2, gradient_accumulation_steps=1,
@@ -144,6 +145,6 @@ def test_non_finite_gradient_skips_the_step(pipeline):
     )
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = build_optimizer(model, 1e-3, 0.0)
-    totals = train_rl.update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu")
+    totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu")
     assert totals["skipped_steps"] == 1 and totals["optimizer_steps"] == 0
     assert all(torch.equal(before[name], p) for name, p in model.named_parameters())

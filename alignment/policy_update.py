@@ -1,0 +1,116 @@
+"""The policy-gradient update on one rollout batch, and the fixed log-prob passes.
+
+`update_policy` runs the microbatches of each optimizer step through
+`grpo_microbatch_train_step` (alignment/grpo.py), clips, and steps; `score_with` gives
+the frozen reference's (or the pre-update policy's) per-token log-probs. Used by
+train_rl and by the benchmarks, which time exactly this code.
+"""
+
+import torch
+
+from alignment import distributed
+from alignment.grpo import grpo_microbatch_train_step
+from alignment.sft_helpers import get_response_log_probs
+
+
+@torch.no_grad()
+def score_with(model, batch, rows_per_chunk, main_device, chunk_size):
+    """(N, T) log-probs of every rollout under `model`, no grad, kept on the CPU.
+
+    Used for the frozen reference model (on its own device: only the (B, T)
+    result moves, never logits) and for the pre-update policy.
+    """
+    device = model.get_input_embeddings().weight.device
+    result = torch.zeros(batch["labels"].shape, dtype=torch.float32)
+    by_length = sorted(range(result.shape[0]), key=lambda row: batch["lengths"][row])  # less padding per chunk
+    with torch.inference_mode():
+        for rows in _chunks(by_length, rows_per_chunk):
+            width = max(batch["lengths"][row] for row in rows)
+            log_probs = get_response_log_probs(model, batch["input_ids"][rows, :width].to(device), batch["labels"][rows, :width].to(device), chunk_size=chunk_size)["log_probs"]
+            result[rows, :width] = log_probs.float().cpu()
+    return result
+
+
+def update_policy(model, optimizer, scheduler, batch, args, main_device, sort_by_length=True, ranks=distributed.SingleProcess()):
+    """All optimizer steps for one rollout batch; returns summed metrics.
+
+    `batch` holds (N, T) input_ids / labels / response_mask / ref_log_probs and
+    (N,) raw_rewards and advantages for the N rollouts, plus old_log_probs when
+    grpo_clip needs them from a separate pass. Microbatches of
+    --train_mini_batch_size are accumulated into optimizer steps of
+    --train_batch_size, for --epochs_per_rollout_batch passes. Rows are
+    length-sorted within each optimizer step so microbatches carry little padding
+    (equal-size microbatches: the summed gradient does not depend on the order;
+    the benchmarks pass sort_by_length=False to measure what it saves).
+    """
+    n_rollouts = batch["input_ids"].shape[0]
+    lengths = batch["lengths"]
+    totals = empty_totals()
+    generator = torch.Generator().manual_seed(args.seed)
+    for _ in range(args.epochs_per_rollout_batch):
+        order = torch.randperm(n_rollouts, generator=generator).tolist() if args.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
+        for step_rows in _chunks(order, args.train_batch_size):
+            if sort_by_length:
+                step_rows = sorted(step_rows, key=lambda row: lengths[row])
+            finite = True
+            microbatches = _chunks(step_rows, args.train_mini_batch_size)
+            for index, rows in enumerate(microbatches):
+                if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients once per step
+                    model.set_requires_gradient_sync(index == len(microbatches) - 1)
+                width = max(lengths[row] for row in rows)
+                input_ids, labels, mask = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels", "response_mask"))
+                ref = batch["ref_log_probs"][rows, :width].to(main_device) if "ref_log_probs" in batch else None
+                out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=args.logprob_chunk_size)
+                log_probs = out["log_probs"]
+                old = None
+                if args.loss_type == "grpo_clip":
+                    if args.old_policy == "reference":
+                        old = ref  # the seed: ratio against the frozen start checkpoint
+                    elif "old_log_probs" in batch:
+                        old = batch["old_log_probs"][rows, :width].to(main_device)
+                    else:
+                        old = log_probs.detach()  # one step on fresh rollouts: the sampler's policy is this one
+                loss, meta = grpo_microbatch_train_step(
+                    log_probs, mask, args.gradient_accumulation_steps, args.loss_type,
+                    raw_rewards=batch["raw_rewards"][rows, None].to(main_device),
+                    advantages=batch["advantages"][rows, None].to(main_device),
+                    old_log_probs=old, cliprange=args.cliprange, cliprange_high=args.cliprange_high,
+                    length_normalization=args.length_normalization, normalize_constant=args.length_normalization_constant,
+                    kl_coef=args.kl_coef, ref_log_probs=ref,
+                )
+                finite = finite and bool(torch.isfinite(loss))
+                token_count = mask.sum().clamp(min=1)
+                totals["loss"] += loss.item()
+                totals["entropy"] += ((out["token_entropy"] * mask).sum() / token_count).item()
+                totals["clip_fraction"] += meta.get("clip_fraction", torch.zeros(())).item()
+                totals["kl_ref"] += meta["kl"].item() if "kl" in meta else float("nan")
+                totals["tokens"] += sum(lengths[row] for row in rows)
+                totals["microbatches"] += 1
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+                grad_norm = grad_norm.full_tensor()
+            # every rank must agree, or the shards would step apart
+            if ranks.all_true(finite and bool(torch.isfinite(grad_norm))):
+                optimizer.step()
+                scheduler.step()
+                totals["grad_norm"] += grad_norm.item()
+                totals["optimizer_steps"] += 1
+            else:
+                totals["skipped_steps"] += 1  # never write NaN/inf into the weights
+            optimizer.zero_grad(set_to_none=True)
+    return totals
+
+
+def empty_totals() -> dict:
+    return {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "optimizer_steps": 0, "skipped_steps": 0, "microbatches": 0}
+
+
+def _chunks(items, size):
+    return [items[start : start + size] for start in range(0, len(items), size)]
+
+
+def sequence_lengths(mask) -> list[int]:
+    """Length of each right-padded row up to its last response token (for trimming)."""
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
+    return (last + 1).clamp(min=1).tolist()
