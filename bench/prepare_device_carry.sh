@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Local side, run from the repo root: everything the GPU machine lacks, as carried paths.
+#   .carry/parts/p00..p06  vLLM 0.26.0 + dependencies (via ../shared/device/prepare_vllm_carry.sh)
+#   .whl/                  math-verify and its two pure-Python dependencies (the grader needs them)
+#   data/gsm8k/            GSM8K (git-ignored; W1 samples test questions)
+# Then, with the device tool (one call per part, back to back: the machine is released
+# ~30 s after a call):
+#   part 0:    carry [".carry/chunk"] (cp .carry/parts/p00 .carry/chunk first), command: rm -f /tmp/v.tar; cat .carry/chunk >> /tmp/v.tar
+#   part 1..6: the same with p01..p06, command: cat .carry/chunk >> /tmp/v.tar
+#   last:      carry [".carry/chunk", ".whl", "data/gsm8k"], command: bash bench/device_setup.sh && <benchmark>
+set -euo pipefail
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+[ -f .carry/parts/MD5 ] || bash ../shared/device/prepare_vllm_carry.sh
+mkdir -p .whl
+python3 -m pip download -q --no-deps --only-binary=:all: -d .whl math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+if [ ! -f data/gsm8k/test.jsonl ] && ls ../shared/data/gsm8k/*.jsonl >/dev/null 2>&1; then
+  mkdir -p data/gsm8k && cp ../shared/data/gsm8k/*.jsonl data/gsm8k/
+fi
+echo "vLLM tar md5: $(cat .carry/parts/MD5) (bench/device_setup.sh checks it)"
+ls -la .carry/parts .whl
