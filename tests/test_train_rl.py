@@ -11,11 +11,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from alignment import train_rl
-from alignment.policy_update import score_with, sequence_lengths, update_policy
 from alignment.optim import build_optimizer, build_scheduler
+from alignment.policy_update import score_with, sequence_lengths, update_policy
 from alignment.sft_helpers import tokenize_rollouts
-from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
-from alignment.tiny_model import build_tiny_checkpoint
+from conftest import make_tiny_task
 
 REQUIRED_TAGS = {
     "train/reward", "train/format_reward", "train/answer_reward", "train/loss", "train/grad_norm", "train/entropy",
@@ -26,10 +25,7 @@ REQUIRED_TAGS = {
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl")
-    data = write_synthetic_gsm8k(root / "data", num_train=32, num_test=8, seed=1)
-    sft = build_tiny_checkpoint(root / "sft", texts=tokenizer_corpus(data), vocab_size=400)
-    return SimpleNamespace(root=root, data=data, sft=sft)
+    return make_tiny_task(tmp_path_factory.mktemp("rl"), num_train=32, num_test=8, seed=1)
 
 
 def rl_flags(pipeline, name, *extra):
