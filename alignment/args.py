@@ -156,6 +156,8 @@ def build_rl_parser() -> argparse.ArgumentParser:
     reliability.add_argument("--num_logged_rollouts", type=_non_negative_int, default=4, help="sample rollouts written to TensorBoard text at each eval")
     reliability.add_argument("--save_state_every", type=_non_negative_int, default=0, help="write a resumable training state every N steps (0 = never)")
     reliability.add_argument("--resume", action="store_true", help="continue from the latest training state in --state_dir")
+    reliability.add_argument("--skip_zero_signal", action=argparse.BooleanOptionalAction, default=True,
+                             help="skip the update when every group's rewards are equal (zero gradient without KL); --no-skip_zero_signal runs it anyway, as the seed and TRL do (benchmarks time it)")
     reliability.add_argument("--max_skipped_steps", type=_positive_int, default=3, help="stop after this many optimizer steps in a row skipped for a non-finite loss or gradient")
     return parser
 

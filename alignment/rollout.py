@@ -170,17 +170,26 @@ class VllmEngine:
         except ImportError as error:
             raise UserError(f"vLLM is not importable ({error}); install it (see README) or pass --rollout_backend hf / --backend hf") from None
         kwargs = {"model": str(model_path), "dtype": dtype, "seed": seed, "enforce_eager": enforce_eager, "max_model_len": max_model_len}
+        under_torchrun = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        if under_torchrun:
+            # One engine per rank. vLLM would otherwise take the ranks' process group for
+            # its own tensor-parallel world; in "external launcher" mode it joins that group
+            # as one single-GPU engine per rank, on the rank's LOCAL_RANK device.
+            kwargs["distributed_executor_backend"] = "external_launcher"
         if device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 1024**3)
         else:
             index = int(device.split(":")[1])
-            if index:
+            if index and not under_torchrun:
                 kwargs["device_ids"] = [index]  # vLLM takes no device=; this pins the engine to one GPU
-                # vLLM 0.26's compile cache is not keyed by GPU: a graph compiled on
-                # cuda:0 and loaded on cuda:1 failed with "CUDA driver error: invalid
-                # argument" (H200 x2). Keep one cache per GPU index.
+            if index:
+                # vLLM 0.26's compile caches (its graph cache and the AOT-compiled model)
+                # are not keyed by GPU: artifacts compiled on one GPU and loaded on
+                # another failed with "CUDA driver error: invalid argument" (H200 x2).
+                # Keep one cache root per GPU index (one engine per process, so the
+                # process-wide variable is this engine's).
                 cache_root = os.environ.get("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm"))
-                kwargs["compilation_config"] = {"cache_dir": os.path.join(cache_root, "torch_compile_cache", f"alignment_cuda{index}")}
+                os.environ["VLLM_CACHE_ROOT"] = os.path.join(cache_root, f"alignment_cuda{index}")
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization or (0.3 if shares_gpu else 0.85)
         previous = torch.cuda.current_device() if torch.cuda.is_available() else None
         started = time.perf_counter()

@@ -150,6 +150,11 @@ def train(args, base_model_checkpoint_path) -> dict:
         steps_log.write_text("".join(line + "\n" for line in kept))
     start_weights = state["policy_path"] if state else base_model_checkpoint_path
     if args.rollout_backend == "vllm":
+        if ranks.world_size > 1 and args.sample_device.startswith("cuda") and not args.vllm_enforce_eager:
+            # compiled engines under torchrun died in their first forward on an H200 x2
+            # ("CUDA driver error: invalid argument", bench/RESULTS.md); eager ones run
+            args.vllm_enforce_eager = True
+            say("vLLM under torchrun: using --vllm_enforce_eager (compiled engines failed on GPUs here; see bench/RESULTS.md)")
         policy_gpus = set(roles["policy_layers"]) | {main_device, args.reference_model_device}
         engine = VllmEngine(start_weights, args.sample_device, dtype=str(resolve_dtype(args.dtype, args.sample_device)).removeprefix("torch."), seed=args.seed + ranks.rank,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
@@ -251,7 +256,7 @@ def train(args, base_model_checkpoint_path) -> dict:
             # its gradient is exactly zero (without KL), so skip the work, and keep Adam's
             # momentum from moving the weights on no evidence.
             signal = raw_rewards if args.loss_type == "no_baseline" else advantages
-            has_signal = ranks.any_true(args.kl_coef > 0 or bool(signal.abs().max() > 0))
+            has_signal = ranks.any_true(args.kl_coef > 0 or not args.skip_zero_signal or bool(signal.abs().max() > 0))
             started = time.perf_counter()
             if has_signal and reference_model is not None:
                 batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, args.logprob_chunk_size)
@@ -348,6 +353,8 @@ def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, gen
         "perf/rollout_tokens_per_s": generated_tokens / max(timings["rollout"], 1e-9),
         "perf/train_tokens_per_s": totals["tokens"] / max(timings["update"], 1e-9),
         "perf/step_seconds": timings["step"],
+        # this process's high-water mark over its GPUs (an in-process vLLM's KV cache included)
+        "perf/peak_memory_gib": max((torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())), default=nan) / 2**30,
     }
     for key in ("rollout", "reward", "logprobs", "update", "sync", "eval"):
         scalars[f"perf/{key}_seconds"] = timings[key]

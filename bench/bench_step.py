@@ -3,6 +3,7 @@
     python bench/bench_step.py --gpus 1            # all roles share cuda:0
     python bench/bench_step.py --gpus 2            # vLLM sampler on cuda:1, policy on cuda:0
     python bench/bench_step.py --backend hf --gpus 1
+    python bench/bench_step.py --gpus 2 --fsdp     # torchrun, 2 ranks: FSDP2 policy, a vLLM engine per rank
     python bench/bench_step.py --device cpu --tiny # CI smoke
 
 Workload W1 (the TRL comparison in ENVIRONMENT.md): a random-init model of the
@@ -30,11 +31,12 @@ W1_FLAGS = [
     "--rollout_batch_size", "32", "--group_size", "8", "--sampling_min_tokens", "256", "--sampling_max_tokens", "256",
     "--sampling_temperature", "1.0", "--sampling_top_p", "1.0", "--repetition_penalty", "1.0",
     "--train_mini_batch_size", "32", "--learning_rate", "1e-6", "--loss_type", "grpo_clip", "--no-log_reference_kl",
+    "--no-skip_zero_signal",  # a random model earns no reward: time the update anyway, as TRL runs it
     "--evaluate_freq", "0", "--eval_num_examples", "32", "--eval_max_tokens", "64",
 ]
 TINY_FLAGS = [
     "--rollout_batch_size", "4", "--group_size", "4", "--sampling_min_tokens", "16", "--sampling_max_tokens", "16",
-    "--train_mini_batch_size", "8", "--learning_rate", "1e-6", "--no-log_reference_kl", "--repetition_penalty", "1.0",
+    "--train_mini_batch_size", "8", "--learning_rate", "1e-6", "--no-log_reference_kl", "--no-skip_zero_signal", "--repetition_penalty", "1.0",
     "--evaluate_freq", "0", "--eval_num_examples", "4", "--eval_max_tokens", "16", "--vllm_kv_cache_gb", "0.25",
 ]
 
@@ -58,6 +60,7 @@ def main():
     parser.add_argument("--gpus", type=int, default=1, help="GPUs the run may use (CUDA_VISIBLE_DEVICES=0..gpus-1)")
     parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for the smoke run")
+    parser.add_argument("--fsdp", action="store_true", help="torchrun with one rank per GPU and --policy_parallel fsdp")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--extra", default="", help="more train_rl flags, space-separated")
@@ -67,13 +70,14 @@ def main():
     work = Path(args.out) / "step_work"
     checkpoint = build_checkpoint(REPO_ROOT / "runs" / "bench" / ("model_tiny" if args.tiny else "model"), args.tiny)
     data = prepare_data(work / "data")
-    name = f"step_{args.backend}_{args.gpus}gpu" + ("_tiny" if args.tiny else "")
+    name = f"step_{args.backend}_{args.gpus}gpu" + ("_fsdp" if args.fsdp else "") + ("_tiny" if args.tiny else "")
     shutil.rmtree(work / name, ignore_errors=True)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.gpus)] if args.fsdp else [sys.executable]
     command = [
-        sys.executable, "-m", "alignment.train_rl", "--sft_checkpoint_path", str(checkpoint),
+        *launcher, "-m", "alignment.train_rl", "--sft_checkpoint_path", str(checkpoint),
         "--checkpoint_path", str(work / name / "rl"), "--data_dir", str(data), "--log_dir", str(work), "--run_name", name,
         "--layout", "auto", "--rollout_backend", args.backend, "--max_steps", str(args.steps),
-        *(TINY_FLAGS if args.tiny else W1_FLAGS), *args.extra.split(),
+        *(TINY_FLAGS if args.tiny else W1_FLAGS), *(["--policy_parallel", "fsdp"] if args.fsdp else []), *args.extra.split(),
     ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     if args.device == "cpu":
@@ -94,6 +98,8 @@ def main():
     row["rollout_tokens_per_s"] = statistics.median(s["perf/rollout_tokens_per_s"] for s in measured)
     row["train_tokens_per_s"] = statistics.median(s["perf/train_tokens_per_s"] for s in measured)
     row["first_step_seconds"] = steps[0]["perf/step_seconds"]
+    peaks = [s["perf/peak_memory_gib"] for s in steps if s.get("perf/peak_memory_gib") is not None]
+    row["peak_memory_gib_rank0"] = max(peaks) if peaks else None
     write_result(args.out, name, [row])
 
 

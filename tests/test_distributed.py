@@ -1,5 +1,6 @@
 """--policy_parallel fsdp: two gloo ranks on the CPU match one process."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -101,3 +102,23 @@ def test_state_saved_by_two_ranks_resumes_in_one_process(tmp_path):
     steps = [json.loads(line)["step"] for line in open(tmp_path / "runs" / "switch" / "steps.jsonl")]
     assert steps == [1, 2, 3]
     assert (tmp_path / "rl" / "model.safetensors").is_file() and not (tmp_path / "rl.state").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_train_rl_under_torchrun_with_a_vllm_engine_per_rank(tmp_path):
+    """Each rank runs its own in-process vLLM engine inside the ranks' process group."""
+    task = make_tiny_task(tmp_path, num_train=32, num_test=8, seed=3)
+    flags = [
+        "--sft_checkpoint_path", str(task.sft), "--checkpoint_path", str(tmp_path / "rl"), "--data_dir", str(task.data),
+        "--log_dir", str(tmp_path / "runs"), "--run_name", "fsdp_vllm", "--policy_parallel", "fsdp", "--rollout_backend", "vllm",
+        "--vllm_kv_cache_gb", "0.25", "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "4",
+        "--sampling_max_tokens", "12", "--eval_max_tokens", "12", "--eval_num_examples", "8", "--max_steps", "2", "--evaluate_freq", "2",
+    ]
+    out = run([*TORCHRUN, "-m", "alignment.train_rl", *flags])
+    assert "each of 2 ranks, FSDP2 policy" in out and "vLLM sampler on cpu started" in out
+    steps = [json.loads(line) for line in open(tmp_path / "runs" / "fsdp_vllm" / "steps.jsonl")]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["train/response_length"] > 0 for s in steps)  # both engines generated
+    final = json.loads((tmp_path / "runs" / "fsdp_vllm" / "final_eval_metrics.json").read_text())
+    assert final["num_examples"] == 8  # each engine evaluated its half
+    assert (tmp_path / "rl" / "model.safetensors").is_file()

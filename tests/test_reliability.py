@@ -155,6 +155,16 @@ def test_zero_signal_batches_are_skipped(pipeline):
     assert all(torch.equal(final[k], start[k]) for k in start)
 
 
+def test_no_skip_zero_signal_runs_the_update_anyway(pipeline):
+    """Benchmarks (and the seed) run the update on a tied batch: zero advantage, real work."""
+    no_kl = [f for f in flags(pipeline, "flat_run") if f not in ("--kl_coef", "0.05")] + ["--max_steps", "2", "--no-skip_zero_signal"]
+    train_rl.main(no_kl)
+    logged = steps_log(pipeline, "flat_run")
+    assert all(s["train/fraction_groups_all_equal"] == 1.0 for s in logged)
+    assert logged[-1]["train/zero_signal_batches"] == 0
+    assert all(s["train/loss"] == 0.0 and s["perf/train_tokens_per_s"] > 0 for s in logged)
+
+
 # ---------------------------------------------------------------- grader fuzzing
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
