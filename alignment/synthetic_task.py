@@ -2,9 +2,19 @@
 
 Used by the CPU demo and the tests: rows `{"question", "answer"}` whose answer is
 worked reasoning with GSM8K's calculator annotations and a final `#### N`, so the
-same loader, prompt, SFT completion and grader apply unchanged. Problems take one
-or two steps of addition or subtraction over small numbers; train and test are
-disjoint (no question appears in both).
+same loader, prompt, SFT completion and grader apply unchanged. A problem is a
+start value and one change per weekday (gets N more / gives away N), never below
+zero; train and test are disjoint (no question appears in both).
+
+Each worked step restates its clause before the arithmetic:
+
+    Q: Mia has 2 stamps. On Monday Mia gets 5 more. On Tuesday Mia gives away 3. ...
+    A: On Monday Mia gets 5 more: 2 + 5 = 7. On Tuesday Mia gives away 3: 7 - 3 = 4.
+
+so every operand is copied from right after the same words in the question (the
+weekday names each clause once), the kind of copy a tiny transformer learns
+first. With bare steps ("2 + 5 = 7. 7 - 3 = 4.") and a learning rate of 3e-3, the
+demo's 4-layer model mostly fetched the wrong second operand.
 """
 
 import json
@@ -13,25 +23,26 @@ from pathlib import Path
 
 NAMES = ["Ava", "Ben", "Cara", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jade", "Kai", "Lena", "Mia", "Noah", "Omar", "Pia"]
 ITEMS = ["apples", "books", "coins", "eggs", "pens", "shells", "stamps", "cards", "marbles", "cookies"]
+DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday"]
 
 
 def make_problem(rng: random.Random, max_value: int = 20, steps: tuple[int, ...] = (1, 2)) -> dict:
-    """One problem: start with a, then len-of-`steps` changes (+/-), never below zero."""
+    """One problem: a start value, then `rng.choice(steps)` changes (+/-), never below zero."""
+    if max(steps) > len(DAYS):
+        raise ValueError(f"at most {len(DAYS)} steps (one per weekday), got {max(steps)}")
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     value = rng.randint(2, max_value)
-    sentences = [f"{name} has {value} {item}."]
-    reasoning = []
-    for _ in range(rng.choice(steps)):
+    sentences, reasoning = [f"{name} has {value} {item}."], []
+    for day in DAYS[: rng.choice(steps)]:
         if rng.random() < 0.5 or value < 2:
             change = rng.randint(1, max_value)
-            sentences.append(f"{name} gets {change} more.")
-            reasoning.append(f"{value} + {change} = <<{value}+{change}={value + change}>>{value + change}")
-            value += change
+            clause, result, sign = f"On {day} {name} gets {change} more", value + change, "+"
         else:
             change = rng.randint(1, value - 1)
-            sentences.append(f"{name} gives away {change}.")
-            reasoning.append(f"{value} - {change} = <<{value}-{change}={value - change}>>{value - change}")
-            value -= change
+            clause, result, sign = f"On {day} {name} gives away {change}", value - change, "-"
+        sentences.append(f"{clause}.")
+        reasoning.append(f"{clause}: {value} {sign} {change} = <<{value}{sign}{change}={result}>>{result}")
+        value = result
     question = " ".join(sentences) + f" How many {item} does {name} have now?"
     # steps joined by ". " rather than newlines: every number then follows a space
     # and is the same BPE token wherever it appears, which a tiny model copies easily
@@ -44,7 +55,8 @@ def write_synthetic_gsm8k(data_dir, num_train: int = 2000, num_test: int = 200, 
 
     `bare_answer_fraction` of the *train* rows keep only `#### N`, no worked steps,
     like a teacher who sometimes states just the result: SFT then learns to answer
-    both with and without reasoning, and RL can discover which pays.
+    both with and without reasoning, and RL can discover which pays. Test rows
+    always keep their worked steps (evaluation reads only the final answer).
     """
     rng = random.Random(seed)
     data_dir = Path(data_dir)

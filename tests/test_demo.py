@@ -1,0 +1,69 @@
+"""The embedded default: the synthetic task's contract and a shrunken run of the real demo."""
+
+import json
+import random
+
+import pytest
+
+from alignment.data import Gsm8kDataset
+from alignment.drgrpo_grader import r1_zero_reward_fn
+from alignment.synthetic_task import make_problem, write_synthetic_gsm8k
+
+
+def test_worked_steps_restate_each_clause_and_reach_the_answer():
+    problem = make_problem(random.Random(3), max_value=10, steps=(3,))
+    clauses = problem["question"].split(". ")[1:4]
+    steps = problem["answer"].split("\n")[0].rstrip(".").split(". ")
+    assert len(steps) == 3
+    for clause, step in zip(clauses, steps):
+        assert step.startswith(clause.rstrip(".") + ": ")
+    # each step's result is the next step's first operand, and the last one is the answer
+    results = [int(step.rsplit(" ", 1)[1].split(">>")[-1]) for step in steps]
+    operands = [int(step.split(": ", 1)[1].split(" ", 1)[0]) for step in steps[1:]]
+    assert operands == results[:-1]
+    assert problem["answer"].endswith(f"#### {results[-1]}")
+
+
+def test_too_many_steps_is_a_clear_error():
+    with pytest.raises(ValueError, match="at most 5 steps"):
+        make_problem(random.Random(0), steps=(6,))
+
+
+def test_bare_answers_only_in_train_and_splits_are_disjoint(tmp_path):
+    folder = write_synthetic_gsm8k(tmp_path, num_train=400, num_test=100, seed=1, max_value=10, steps=(3,), bare_answer_fraction=0.5)
+    train = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
+    test = [json.loads(line) for line in (folder / "test.jsonl").read_text().splitlines()]
+    bare = sum(row["answer"].startswith("#### ") for row in train)
+    assert 150 < bare < 250
+    assert not any(row["answer"].startswith("#### ") for row in test)
+    assert not {row["question"] for row in train} & {row["question"] for row in test}
+    # a bare row becomes an SFT completion with empty reasoning that the grader still rewards
+    completion, truth = next((completion, truth) for _, completion, truth in Gsm8kDataset("train", folder) if completion.startswith(" </think>"))
+    assert completion == f" </think> <answer> {truth} </answer>"
+    assert r1_zero_reward_fn(completion, truth)["reward"] == 1.0
+
+
+def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path):
+    """The real demo (real CLIs in subprocesses, default backend), fewer problems and steps."""
+    from alignment import demo
+
+    summary = demo.main([
+        "--out", str(tmp_path / "runs"), "--checkpoints", str(tmp_path / "checkpoints"),
+        "--num_train", "1200", "--num_test", "48", "--sft_epochs", "1", "--rl_steps", "2",
+    ])
+    written = json.loads((tmp_path / "runs" / "summary.json").read_text())
+    assert written == json.loads(json.dumps(summary))
+    assert written["overrides"] == {"num_train": 1200, "num_test": 48, "sft_epochs": 1, "rl_steps": 2}
+    for key in ("base_accuracy", "sft_accuracy", "rl_accuracy", "format_rate_sft", "format_rate_rl", "num_test_examples", "seconds_total", "backend"):
+        assert key in written, key
+    assert written["num_test_examples"] == 48
+    assert written["backend"] == ("vllm" if demo.vllm_available() else "hf")
+    assert written["base_accuracy"] == 0.0  # a random model never closes the r1_zero format
+    assert written["format_rate_sft"] > 0.9
+    assert written["sft_accuracy"] > written["base_accuracy"]  # one SFT epoch on 1200 problems: ~0.1
+    assert 0.0 <= written["rl_accuracy"] <= 1.0
+    # the RL stage ran its two steps and wrote a loadable checkpoint plus TensorBoard events
+    steps = [json.loads(line) for line in (tmp_path / "runs" / "rl" / "steps.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in steps] == [1, 2]
+    assert (tmp_path / "checkpoints" / "rl" / "config.json").is_file()
+    assert list((tmp_path / "runs" / "rl").glob("events.out.tfevents.*"))
