@@ -169,8 +169,11 @@ class VllmEngine:
             from vllm import LLM
         except ImportError as error:
             raise UserError(f"vLLM is not importable ({error}); install it (see README) or pass --rollout_backend hf / --backend hf") from None
-        kwargs = {"model": str(model_path), "dtype": dtype, "seed": seed, "enforce_eager": enforce_eager, "max_model_len": max_model_len}
         under_torchrun = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        # compiled engines under torchrun died in their first forward on an H200 x2
+        # ("CUDA driver error: invalid argument", bench/RESULTS.md); eager ones ran
+        self.forced_eager = under_torchrun and device != "cpu" and not enforce_eager
+        kwargs = {"model": str(model_path), "dtype": dtype, "seed": seed, "enforce_eager": enforce_eager or self.forced_eager, "max_model_len": max_model_len}
         if under_torchrun:
             # One engine per rank. vLLM would otherwise take the ranks' process group for
             # its own tensor-parallel world; in "external launcher" mode it joins that group

@@ -55,7 +55,7 @@ def tokenize_rollouts(prompt_strs: list[str], response_strs: list[str], tokenize
     prompt_lengths = [sum(mask) for mask in tokenizer(list(prompt_strs))["attention_mask"]]
     full_ids = tokenizer([p + r for p, r in zip(prompt_strs, response_strs, strict=True)])["input_ids"]
     batch = _pad_and_shift(full_ids, prompt_lengths, [len(ids) for ids in full_ids], _pad_id(tokenizer))
-    return _unmask_special_tokens(batch, tokenizer)
+    return _mask_out_special_tokens(batch, tokenizer)
 
 
 def tokenize_rollout_ids(prompt_strs: list[str], response_token_ids: list[list[int]], tokenizer) -> dict[str, torch.Tensor]:
@@ -69,10 +69,10 @@ def tokenize_rollout_ids(prompt_strs: list[str], response_token_ids: list[list[i
     prompt_ids = tokenizer(list(prompt_strs))["input_ids"]
     sequences = [p + list(r) for p, r in zip(prompt_ids, response_token_ids, strict=True)]
     batch = _pad_and_shift(sequences, [len(p) for p in prompt_ids], [len(ids) for ids in sequences], _pad_id(tokenizer))
-    return _unmask_special_tokens(batch, tokenizer)
+    return _mask_out_special_tokens(batch, tokenizer)
 
 
-def _unmask_special_tokens(batch, tokenizer):
+def _mask_out_special_tokens(batch, tokenizer):
     special = {token for token in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) if token is not None}
     for token in special:
         batch["response_mask"] &= batch["labels"] != token

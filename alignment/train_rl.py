@@ -150,16 +150,12 @@ def train(args, base_model_checkpoint_path) -> dict:
         steps_log.write_text("".join(line + "\n" for line in kept))
     start_weights = state["policy_path"] if state else base_model_checkpoint_path
     if args.rollout_backend == "vllm":
-        if ranks.world_size > 1 and args.sample_device.startswith("cuda") and not args.vllm_enforce_eager:
-            # compiled engines under torchrun died in their first forward on an H200 x2
-            # ("CUDA driver error: invalid argument", bench/RESULTS.md); eager ones run
-            args.vllm_enforce_eager = True
-            say("vLLM under torchrun: using --vllm_enforce_eager (compiled engines failed on GPUs here; see bench/RESULTS.md)")
         policy_gpus = set(roles["policy_layers"]) | {main_device, args.reference_model_device}
         engine = VllmEngine(start_weights, args.sample_device, dtype=str(resolve_dtype(args.dtype, args.sample_device)).removeprefix("torch."), seed=args.seed + ranks.rank,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
                             enforce_eager=args.vllm_enforce_eager, shares_gpu=args.sample_device in policy_gpus)
-        say(f"vLLM sampler on {args.sample_device} started in {engine.start_seconds:.1f}s")
+        say(f"vLLM sampler on {args.sample_device} started in {engine.start_seconds:.1f}s"
+            + (" (eager: compiled engines failed under torchrun on GPUs; see bench/RESULTS.md)" if engine.forced_eager else ""))
     tokenizer = load_tokenizer(args.model or base_model_checkpoint_path)
     model = load_hf_model(start_weights, "cpu", dtype)
     if args.gradient_checkpointing:

@@ -39,16 +39,19 @@ def test_two_rank_fsdp_step_equals_one_process_step(tiny_checkpoint, tmp_path):
     assert len(changed) > len(start) // 2  # the step really moved the weights
 
 
+def run_flags(task, tmp_path, name, *extra):
+    """train_rl flags for a two-step-sized run on the tiny task; `extra` sets backend, layout and steps."""
+    return [
+        "--sft_checkpoint_path", str(task.sft), "--checkpoint_path", str(tmp_path / "rl"), "--data_dir", str(task.data),
+        "--log_dir", str(tmp_path / "runs"), "--run_name", name, "--rollout_batch_size", "4", "--group_size", "4",
+        "--train_mini_batch_size", "4", "--sampling_max_tokens", "12", "--eval_max_tokens", "12", *extra,
+    ]
+
+
 def test_train_rl_under_torchrun_end_to_end(tmp_path):
     task = make_tiny_task(tmp_path, num_train=32, num_test=8, seed=3)
-    data, sft = task.data, task.sft
-    flags = [
-        "--sft_checkpoint_path", str(sft), "--checkpoint_path", str(tmp_path / "rl"), "--data_dir", str(data),
-        "--log_dir", str(tmp_path / "runs"), "--run_name", "fsdp", "--policy_parallel", "fsdp", "--rollout_backend", "hf",
-        "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "4", "--sampling_max_tokens", "12",
-        "--eval_max_tokens", "12", "--eval_num_examples", "8", "--max_steps", "2", "--evaluate_freq", "2",
-        "--kl_coef", "0.05", "--learning_rate", "1e-3", "--save_state_every", "1",
-    ]
+    flags = run_flags(task, tmp_path, "fsdp", "--policy_parallel", "fsdp", "--rollout_backend", "hf", "--eval_num_examples", "8",
+                      "--max_steps", "2", "--evaluate_freq", "2", "--kl_coef", "0.05", "--learning_rate", "1e-3", "--save_state_every", "1")
     out = run([*TORCHRUN, "-m", "alignment.train_rl", *flags])
     assert "each of 2 ranks, FSDP2 policy" in out
     steps = [json.loads(line) for line in open(tmp_path / "runs" / "fsdp" / "steps.jsonl")]
@@ -78,14 +81,8 @@ def test_state_saved_by_two_ranks_resumes_in_one_process(tmp_path):
     import time
 
     task = make_tiny_task(tmp_path, num_train=32, num_test=4, seed=4)
-    data, sft = task.data, task.sft
-    flags = [
-        "--sft_checkpoint_path", str(sft), "--checkpoint_path", str(tmp_path / "rl"), "--data_dir", str(data),
-        "--log_dir", str(tmp_path / "runs"), "--run_name", "switch", "--rollout_backend", "hf", "--layout", "auto",
-        "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "4", "--sampling_max_tokens", "12",
-        "--eval_max_tokens", "12", "--eval_num_examples", "4", "--max_steps", "3", "--evaluate_freq", "0",
-        "--kl_coef", "0.05", "--learning_rate", "1e-3", "--save_state_every", "1",
-    ]
+    flags = run_flags(task, tmp_path, "switch", "--rollout_backend", "hf", "--layout", "auto", "--eval_num_examples", "4",
+                      "--max_steps", "3", "--evaluate_freq", "0", "--kl_coef", "0.05", "--learning_rate", "1e-3", "--save_state_every", "1")
     process = subprocess.Popen([*TORCHRUN, "-m", "alignment.train_rl", *flags, "--policy_parallel", "fsdp"], cwd=REPO_ROOT, env=ENV,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     deadline = time.time() + 300
@@ -108,12 +105,8 @@ def test_state_saved_by_two_ranks_resumes_in_one_process(tmp_path):
 def test_train_rl_under_torchrun_with_a_vllm_engine_per_rank(tmp_path):
     """Each rank runs its own in-process vLLM engine inside the ranks' process group."""
     task = make_tiny_task(tmp_path, num_train=32, num_test=8, seed=3)
-    flags = [
-        "--sft_checkpoint_path", str(task.sft), "--checkpoint_path", str(tmp_path / "rl"), "--data_dir", str(task.data),
-        "--log_dir", str(tmp_path / "runs"), "--run_name", "fsdp_vllm", "--policy_parallel", "fsdp", "--rollout_backend", "vllm",
-        "--vllm_kv_cache_gb", "0.25", "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "4",
-        "--sampling_max_tokens", "12", "--eval_max_tokens", "12", "--eval_num_examples", "8", "--max_steps", "2", "--evaluate_freq", "2",
-    ]
+    flags = run_flags(task, tmp_path, "fsdp_vllm", "--policy_parallel", "fsdp", "--rollout_backend", "vllm", "--vllm_kv_cache_gb", "0.25",
+                      "--eval_num_examples", "8", "--max_steps", "2", "--evaluate_freq", "2")
     out = run([*TORCHRUN, "-m", "alignment.train_rl", *flags])
     assert "each of 2 ranks, FSDP2 policy" in out and "vLLM sampler on cpu started" in out
     steps = [json.loads(line) for line in open(tmp_path / "runs" / "fsdp_vllm" / "steps.jsonl")]
