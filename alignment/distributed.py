@@ -47,6 +47,9 @@ class SingleProcess:
     def sum(self, value: float) -> float:
         return value
 
+    def max(self, value: float) -> float:
+        return value
+
     def gather(self, items: list) -> list:
         return items
 
@@ -100,6 +103,9 @@ class TorchDistributed(SingleProcess):
     def sum(self, value: float) -> float:
         return self._reduce(value, dist.ReduceOp.SUM)
 
+    def max(self, value: float) -> float:
+        return self._reduce(value, dist.ReduceOp.MAX)
+
     def gather(self, items: list) -> list:
         """Every rank's list, concatenated in rank order, on every rank."""
         gathered = [None] * self.world_size
@@ -132,13 +138,20 @@ def setup(args):
     return TorchDistributed() if args.policy_parallel == "fsdp" else SingleProcess()
 
 
-def shard_policy(model) -> None:
-    """FSDP2: shard each decoder layer, then the rest (embeddings, norm, lm_head)."""
-    from torch.distributed.fsdp import fully_shard
+def shard_policy(model, compute_dtype=torch.float32) -> None:
+    """FSDP2: shard each decoder layer, then the rest (embeddings, norm, lm_head).
 
+    The shards keep the parameters' own dtype (fp32 master weights by default);
+    when that is wider than `compute_dtype`, FSDP2 gathers them as `compute_dtype`
+    for forward and backward and reduces gradients in fp32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    stored = next(model.parameters()).dtype
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype != stored else MixedPrecisionPolicy()
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
 
 
 def load_optimizer_state(model, optimizer, state: dict) -> None:
@@ -217,4 +230,7 @@ def reduce_totals(totals: dict, ranks) -> dict:
     for key in ("loss", "entropy", "clip_fraction", "kl_ref"):
         reduced[key] = ranks.mean(totals[key])
     reduced["tokens"] = int(ranks.sum(totals["tokens"]))
+    for key in ("sampler_abs_diff", "sampler_ratio", "sampler_tokens"):  # sums over every rank's tokens
+        reduced[key] = ranks.sum(totals[key])
+    reduced["sampler_ratio_max"] = ranks.max(totals["sampler_ratio_max"])
     return reduced

@@ -10,28 +10,32 @@ import torch
 
 from alignment import distributed
 from alignment.grpo import grpo_microbatch_train_step
+from alignment.precision import autocast
 from alignment.sft_helpers import get_response_log_probs
 
 
 @torch.no_grad()
-def score_with(model, batch, rows_per_chunk, main_device, chunk_size):
+def score_with(model, batch, rows_per_chunk, main_device, chunk_size, temperature=1.0, compute_dtype=torch.float32):
     """(N, T) log-probs of every rollout under `model`, no grad, kept on the CPU.
 
     Used for the frozen reference model (on its own device: only the (B, T)
-    result moves, never logits) and for the pre-update policy.
+    result moves, never logits) and for the pre-update policy. `temperature`
+    divides the logits (the sampler's temperature, as in the update); the forward
+    runs under autocast to `compute_dtype`, like the training forward.
     """
     device = model.get_input_embeddings().weight.device
     result = torch.zeros(batch["labels"].shape, dtype=torch.float32)
     by_length = sorted(range(result.shape[0]), key=lambda row: batch["lengths"][row])  # less padding per chunk
-    with torch.inference_mode():
+    with torch.inference_mode(), autocast(str(device), compute_dtype):
         for rows in _chunks(by_length, rows_per_chunk):
             width = max(batch["lengths"][row] for row in rows)
-            log_probs = get_response_log_probs(model, batch["input_ids"][rows, :width].to(device), batch["labels"][rows, :width].to(device), chunk_size=chunk_size)["log_probs"]
+            log_probs = get_response_log_probs(model, batch["input_ids"][rows, :width].to(device), batch["labels"][rows, :width].to(device),
+                                               chunk_size=chunk_size, temperature=temperature)["log_probs"]
             result[rows, :width] = log_probs.float().cpu()
     return result
 
 
-def update_policy(model, optimizer, scheduler, batch, args, main_device, sort_by_length=True, ranks=distributed.SingleProcess()):
+def update_policy(model, optimizer, scheduler, batch, args, main_device, compute_dtype=torch.float32, sort_by_length=True, ranks=distributed.SingleProcess()):
     """All optimizer steps for one rollout batch; returns summed metrics.
 
     `batch` holds (N, T) input_ids / labels / response_mask / ref_log_probs and
@@ -42,12 +46,21 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, sort_by
     length-sorted within each optimizer step so microbatches carry little padding
     (equal-size microbatches: the summed gradient does not depend on the order;
     the benchmarks pass sort_by_length=False to measure what it saves).
+
+    Forward passes run under autocast to `compute_dtype` (bf16 compute on fp32
+    master weights); the loss and backward run outside it. Log-probs are scored
+    at `args.scoring_temperature`. When `batch` holds the sampler's own
+    `sampler_log_probs`, the rows of the first optimizer step (scored before any
+    update, so by the weights that sampled them when the sampler is in sync) also
+    give the sampler/trainer mismatch: summed |trainer - sampler| log-prob and
+    importance ratio exp(trainer - sampler), their max, and the token count.
     """
     n_rollouts = batch["input_ids"].shape[0]
     lengths = batch["lengths"]
     totals = empty_totals()
     generator = torch.Generator().manual_seed(args.seed)
-    for _ in range(args.epochs_per_rollout_batch):
+    mismatch = None  # device-side sums, read once at the end
+    for epoch in range(args.epochs_per_rollout_batch):
         order = torch.randperm(n_rollouts, generator=generator).tolist() if args.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
         for step_rows in _chunks(order, args.train_batch_size):
             if sort_by_length:
@@ -60,8 +73,11 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, sort_by
                 width = max(lengths[row] for row in rows)
                 input_ids, labels, mask = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels", "response_mask"))
                 ref = batch["ref_log_probs"][rows, :width].to(main_device) if "ref_log_probs" in batch else None
-                out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=args.logprob_chunk_size)
+                with autocast(main_device, compute_dtype):
+                    out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=args.logprob_chunk_size, temperature=args.scoring_temperature)
                 log_probs = out["log_probs"]
+                if "sampler_log_probs" in batch and epoch == 0 and totals["optimizer_steps"] + totals["skipped_steps"] == 0:
+                    mismatch = _add_mismatch(mismatch, log_probs.detach(), batch["sampler_log_probs"][rows, :width].to(log_probs.device), mask)
                 old = None
                 if args.loss_type == "grpo_clip":
                     if args.old_policy == "reference":
@@ -98,11 +114,25 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, sort_by
             else:
                 totals["skipped_steps"] += 1  # never write NaN/inf into the weights
             optimizer.zero_grad(set_to_none=True)
+    if mismatch is not None:
+        totals.update(zip(("sampler_abs_diff", "sampler_ratio", "sampler_ratio_max", "sampler_tokens"), (value.item() for value in mismatch)))
     return totals
 
 
+def _add_mismatch(sums, trainer, sampler, mask):
+    """Running (sum |trainer - sampler|, sum ratio, max ratio, tokens) over response tokens."""
+    mask = mask.bool()
+    difference = (trainer - sampler)[mask]
+    ratio = torch.exp(difference)
+    step = (difference.abs().sum(), ratio.sum(), ratio.max() if ratio.numel() else ratio.new_zeros(()), mask.sum().to(ratio.dtype))
+    if sums is None:
+        return step
+    return (sums[0] + step[0], sums[1] + step[1], torch.maximum(sums[2], step[2]), sums[3] + step[3])
+
+
 def empty_totals() -> dict:
-    return {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "optimizer_steps": 0, "skipped_steps": 0, "microbatches": 0}
+    return {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "optimizer_steps": 0, "skipped_steps": 0, "microbatches": 0,
+            "sampler_abs_diff": 0.0, "sampler_ratio": 0.0, "sampler_ratio_max": 0.0, "sampler_tokens": 0.0}
 
 
 def _chunks(items, size):

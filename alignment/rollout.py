@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from alignment.errors import UserError
+from alignment.precision import autocast
 
 STOP_STRINGS = ("</answer>",)
 
@@ -29,6 +30,10 @@ class SamplingSettings:
     max_tokens: int = 1024
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = STOP_STRINGS
+    # also return each sampled token's log-prob under the distribution it was drawn
+    # from (after repetition penalty, temperature and top_p), to measure how far the
+    # sampler is from the trainer's scoring
+    return_log_probs: bool = False
 
     @classmethod
     def from_args(cls, args, prefix: str) -> "SamplingSettings":
@@ -47,6 +52,7 @@ class Generation:
     text: str
     num_tokens: int
     token_ids: list[int]
+    log_probs: list[float] | None = None  # the sampler's, one per token id, when asked
 
 
 def truncate_at_stop(text: str, stop: tuple[str, ...]) -> str:
@@ -64,13 +70,16 @@ class HfEngine:
 
     With `--rollout_sync_every 1` the engine wraps the policy itself, so a "sync" is
     free; otherwise it wraps its own copy and `load_weights` copies the policy in.
+    `compute_dtype` runs generation under autocast (an fp32-master policy samples
+    with the bf16 compute the trainer uses).
     """
 
-    def __init__(self, model, tokenizer, batch_size: int = 64):
+    def __init__(self, model, tokenizer, batch_size: int = 64, compute_dtype: torch.dtype = torch.float32):
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.device = model.get_input_embeddings().weight.device
+        self.compute_dtype = compute_dtype
 
     @torch.no_grad()
     def generate(self, prompts: list[str], sampling: SamplingSettings) -> list[Generation]:
@@ -100,24 +109,38 @@ class HfEngine:
                 prompt_length = batch["input_ids"].shape[1]
                 stop = StopAfterMinTokens(StopStringCriteria(self.tokenizer, list(sampling.stop)), prompt_length)
                 sample = sampling.temperature > 0
-                generated = self.model.generate(
-                    **batch,
-                    do_sample=sample,
-                    temperature=sampling.temperature if sample else None,
-                    top_p=sampling.top_p if sample else None,
-                    top_k=0 if sample else None,
-                    min_new_tokens=sampling.min_tokens,
-                    max_new_tokens=sampling.max_tokens,
-                    repetition_penalty=sampling.repetition_penalty,
-                    stopping_criteria=StoppingCriteriaList([stop]),
-                    pad_token_id=pad_id,
-                    eos_token_id=self.tokenizer.eos_token_id,
-                )[:, prompt_length:]
-                for row in generated.tolist():
+                recorder = _SampledLogProbs() if sample and sampling.return_log_probs else None
+                processors = []
+                if sample:
+                    # temperature and top_p as our own processors, after HF's defaults
+                    # (repetition penalty, min length), the order HF and vLLM use; the
+                    # recorder then sees the distribution each token is drawn from
+                    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+                    processors = [TemperatureLogitsWarper(sampling.temperature)] + ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else [])
+                    processors = LogitsProcessorList(processors + ([recorder] if recorder else []))
+                with autocast(str(self.device), self.compute_dtype):
+                    generated = self.model.generate(
+                        **batch,
+                        do_sample=sample,
+                        temperature=1.0 if sample else None,
+                        top_p=1.0 if sample else None,
+                        top_k=0 if sample else None,
+                        logits_processor=processors or None,
+                        min_new_tokens=sampling.min_tokens,
+                        max_new_tokens=sampling.max_tokens,
+                        repetition_penalty=sampling.repetition_penalty,
+                        stopping_criteria=StoppingCriteriaList([stop]),
+                        pad_token_id=pad_id,
+                        eos_token_id=self.tokenizer.eos_token_id,
+                    )[:, prompt_length:]
+                log_probs = recorder.finish(generated) if recorder else None
+                for index, row in enumerate(generated.tolist()):
                     if pad_id in row:  # finished rows are padded after their last token
                         row = row[: row.index(pad_id)]
                     text = truncate_at_stop(self.tokenizer.decode(row, skip_special_tokens=True), sampling.stop)
-                    outputs.append(Generation(text=text, num_tokens=len(row), token_ids=row))
+                    row_log_probs = log_probs[index, : len(row)].tolist() if log_probs is not None else None
+                    outputs.append(Generation(text=text, num_tokens=len(row), token_ids=row, log_probs=row_log_probs))
         finally:
             self.tokenizer.padding_side = padding_side
             self.model.train(was_training)
@@ -132,6 +155,31 @@ class HfEngine:
 
     def close(self) -> None:
         pass
+
+
+class _SampledLogProbs:
+    """A last logits processor that keeps log_softmax of the scores a token is drawn from.
+
+    At each step it sees the previous step's sampled token (the last input id), so it
+    holds one (B, V) step at a time; `finish` scores the final token.
+    """
+
+    def __init__(self):
+        self.previous = None
+        self.columns = []
+
+    def __call__(self, input_ids, scores):
+        if self.previous is not None:
+            self.columns.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, generated):
+        """(B, new_tokens) log-probs of the sampled ids, on the CPU."""
+        if self.previous is not None and generated.shape[1]:
+            self.columns.append(self.previous.gather(-1, generated[:, -1:]).squeeze(-1))
+        self.previous = None
+        return torch.stack(self.columns, dim=1).cpu() if self.columns else torch.zeros(generated.shape)
 
 
 def _vllm_version() -> tuple[int, int]:
@@ -173,7 +221,10 @@ class VllmEngine:
         # compiled engines under torchrun died in their first forward on an H200 x2
         # ("CUDA driver error: invalid argument", bench/RESULTS.md); eager ones ran
         self.forced_eager = under_torchrun and device != "cpu" and not enforce_eager
-        kwargs = {"model": str(model_path), "dtype": dtype, "seed": seed, "enforce_eager": enforce_eager or self.forced_eager, "max_model_len": max_model_len}
+        kwargs = {"model": str(model_path), "dtype": dtype, "seed": seed, "enforce_eager": enforce_eager or self.forced_eager, "max_model_len": max_model_len,
+                  # returned log-probs are those of the distribution sampled from (after
+                  # penalties, temperature, top_p), not the raw model's
+                  "logprobs_mode": "processed_logprobs"}
         if under_torchrun:
             # One engine per rank. vLLM would otherwise take the ranks' process group for
             # its own tensor-parallel world; in "external launcher" mode it joins that group
@@ -222,10 +273,17 @@ class VllmEngine:
             repetition_penalty=sampling.repetition_penalty,
             stop=list(sampling.stop),
             include_stop_str_in_output=True,
+            logprobs=0 if sampling.return_log_probs else None,  # 0: only the sampled token's
         )
         with self._on_device():
             results = self.llm.generate(prompts, params, use_tqdm=False)
-        return [Generation(text=r.outputs[0].text, num_tokens=len(r.outputs[0].token_ids), token_ids=list(r.outputs[0].token_ids)) for r in results]
+        generations = []
+        for result in results:
+            output = result.outputs[0]
+            ids = list(output.token_ids)
+            log_probs = [step[token].logprob for step, token in zip(output.logprobs, ids)] if sampling.return_log_probs and output.logprobs is not None else None
+            generations.append(Generation(text=output.text, num_tokens=len(ids), token_ids=ids, log_probs=log_probs))
+        return generations
 
     def _build_direct_plan(self, source_shapes: dict[str, torch.Size]):
         """[(engine parameter, [source names])], or None if any parameter does not map."""

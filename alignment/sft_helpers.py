@@ -58,17 +58,25 @@ def tokenize_rollouts(prompt_strs: list[str], response_strs: list[str], tokenize
     return _mask_out_special_tokens(batch, tokenizer)
 
 
-def tokenize_rollout_ids(prompt_strs: list[str], response_token_ids: list[list[int]], tokenizer) -> dict[str, torch.Tensor]:
+def tokenize_rollout_ids(prompt_strs: list[str], response_token_ids: list[list[int]], tokenizer, response_log_probs: list[list[float]] | None = None) -> dict[str, torch.Tensor]:
     """Prompt tokens followed by the exact token ids the sampler produced.
 
     Unlike `tokenize_rollouts`, no text round trip: the log-probs are those of the
     tokens that were sampled, even where decoding and re-encoding a response would
     give other tokens (partial UTF-8 bytes, merges across the prompt boundary).
     Same keys, shapes and masking (pad, eos and bos positions excluded).
+    With `response_log_probs` (the sampler's, one per response token) the batch
+    also holds "sampler_log_probs" (B, T), aligned with `labels` (0 elsewhere).
     """
     prompt_ids = tokenizer(list(prompt_strs))["input_ids"]
     sequences = [p + list(r) for p, r in zip(prompt_ids, response_token_ids, strict=True)]
     batch = _pad_and_shift(sequences, [len(p) for p in prompt_ids], [len(ids) for ids in sequences], _pad_id(tokenizer))
+    if response_log_probs is not None:
+        grid = torch.zeros(batch["labels"].shape, dtype=torch.float32)
+        for row, (prompt, values) in enumerate(zip(prompt_ids, response_log_probs, strict=True)):
+            # labels[t] is token t + 1, so response token j sits at len(prompt) - 1 + j
+            grid[row, len(prompt) - 1 : len(prompt) - 1 + len(values)] = torch.tensor(values, dtype=torch.float32)
+        batch["sampler_log_probs"] = grid
     return _mask_out_special_tokens(batch, tokenizer)
 
 
@@ -112,8 +120,9 @@ def get_response_log_probs(
     return_token_entropy: bool = False,
     *,
     chunk_size: int = 0,
+    temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
-    """Per-token log p(labels | prefix) from a causal LM.
+    """Per-token log p(labels | prefix) from a causal LM, at a sampling temperature.
 
     Args:
         input_ids, labels: (B, T), right-padded (no attention mask is needed:
@@ -121,6 +130,9 @@ def get_response_log_probs(
         chunk_size: 0 = naive full-vocab `log_softmax` + `gather` (the reference
             path); > 0 = fused, chunked lm_head + log-softmax (same numbers, no
             (B, T, V) fp32 tensor), used where the model exposes a plain lm_head.
+        temperature: the logits are divided by it before the softmax, so the
+            log-probs (and entropy) are those of the distribution a sampler at this
+            temperature draws from; 1.0 scores the raw model.
     Returns:
         {"log_probs": (B, T)} in fp32, plus "token_entropy": (B, T) if asked.
     """
@@ -128,13 +140,17 @@ def get_response_log_probs(
         hidden = model.model(input_ids=input_ids).last_hidden_state
         weight = model.get_output_embeddings().weight
         hidden = hidden.to(weight.device)
+        if temperature != 1.0:
+            hidden = hidden / temperature  # (h / T) @ W.T = logits / T
         log_probs, entropy = chunked_linear_log_probs(hidden, weight, labels.to(weight.device), chunk_size, return_token_entropy)
         result = {"log_probs": log_probs}
         if return_token_entropy:
             result["token_entropy"] = entropy
         return result
-    logits = model(input_ids=input_ids).logits
-    log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.to(logits.device).unsqueeze(-1)).squeeze(-1)
+    logits = model(input_ids=input_ids).logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, labels.to(logits.device).unsqueeze(-1)).squeeze(-1)
     result = {"log_probs": log_probs}
     if return_token_entropy:
         with torch.no_grad():

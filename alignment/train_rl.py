@@ -26,6 +26,13 @@ Where this departs from the seed, each one flag away from the seed's behaviour:
   re-tokenises prompt + response text as the seed did, which can change tokens);
 - log-probs score the next token (labels shifted by one) and are computed with a
   fused, chunked lm_head + log-softmax (--logprob_chunk_size 0 = naive);
+- on GPUs the policy keeps fp32 master weights (parameters, gradients, AdamW
+  state) and computes in bf16 under autocast, as TRL and verl do; the seed's pure
+  bf16 rounds most RL-sized updates away (--no-fp32_master_weights);
+- every scoring pass (policy, old policy, reference) divides the logits by the
+  sampling temperature, so the loss scores the distribution that was sampled
+  (--scoring_temperature 1 = the seed); the sampler's own log-probs of its tokens
+  are compared with the trainer's every step (train/sampler_*);
 - evaluation syncs the sampler and evaluates there (--eval_engine sampler);
   --eval_engine fresh saves to --tmp_checkpoint_path and starts a new vLLM
   engine on --eval_device, as the seed did;
@@ -43,6 +50,7 @@ import json
 import math
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -61,6 +69,8 @@ from alignment.evaluate import evaluate_in_subprocess, evaluate_math, format_met
 from alignment.grpo import advantages_from_scores
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.policy_update import empty_totals, score_with, sequence_lengths, update_policy
+from alignment.precision import describe as describe_precision
+from alignment.precision import master_dtype
 from alignment.rollout import HfEngine, SamplingSettings, VllmEngine, build_engine, load_hf_model, load_tokenizer
 from alignment.sft_helpers import tokenize_rollout_ids, tokenize_rollouts
 
@@ -89,7 +99,8 @@ def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, rank
     sampling = SamplingSettings.from_args(args, "eval_")
     synced = False
     if args.rollout_backend == "hf" and ranks.world_size == 1:
-        metrics = evaluate_math(HfEngine(model, tokenizer, batch_size=args.hf_batch_size), r1_zero_reward_fn, eval_set.prompts, eval_set.ground_truths, sampling)
+        engine = HfEngine(model, tokenizer, batch_size=args.hf_batch_size, compute_dtype=resolve_dtype(args.dtype, args.sample_device))
+        metrics = evaluate_math(engine, r1_zero_reward_fn, eval_set.prompts, eval_set.ground_truths, sampling)
     elif (args.eval_engine == "sampler" and args.rollout_sync_every == 1) or ranks.world_size > 1:
         engine.load_weights(ranks.full_weights(model))  # the sampler now holds the current policy
         synced = True
@@ -133,8 +144,10 @@ def train(args, base_model_checkpoint_path) -> dict:
     else:
         roles = resolve_role_devices(args, num_layers)
     main_device = roles["policy_main"]
-    dtype = resolve_dtype(args.dtype, main_device)
+    dtype = resolve_dtype(args.dtype, main_device)  # compute dtype; the reference and the sampler hold it too
+    policy_dtype = master_dtype(dtype, args.fp32_master_weights)
     say("role -> device" + (f" (each of {ranks.world_size} ranks, FSDP2 policy)" if ranks.world_size > 1 else "") + "\n" + format_role_table(roles))
+    say(f"precision: {describe_precision(policy_dtype, dtype)}; log-probs scored at temperature {args.scoring_temperature:g}")
 
     state = load_training_state(args.state_dir) if args.resume else None
     if args.resume and state is None:
@@ -157,7 +170,7 @@ def train(args, base_model_checkpoint_path) -> dict:
         say(f"vLLM sampler on {args.sample_device} started in {engine.start_seconds:.1f}s"
             + (" (eager: compiled engines failed under torchrun on GPUs; see bench/RESULTS.md)" if engine.forced_eager else ""))
     tokenizer = load_tokenizer(args.model or base_model_checkpoint_path)
-    model = load_hf_model(start_weights, "cpu", dtype)
+    model = load_hf_model(start_weights, "cpu", policy_dtype)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.torch_compile:
@@ -165,7 +178,7 @@ def train(args, base_model_checkpoint_path) -> dict:
             layer.compile(dynamic=True)
     if ranks.world_size > 1:
         model.to(main_device)
-        distributed.shard_policy(model)
+        distributed.shard_policy(model, compute_dtype=dtype)
     else:
         place_model(model, main_device, roles["policy_layers"])  # the seed's layer partition
     model.config.use_cache = False
@@ -178,7 +191,7 @@ def train(args, base_model_checkpoint_path) -> dict:
         # (a sharded policy cannot generate: ranks would run different numbers of forwards)
         own_copy = args.rollout_sync_every != 1 or ranks.world_size > 1
         sampler_model = load_hf_model(start_weights, args.sample_device, dtype) if own_copy else model
-        engine = HfEngine(sampler_model, tokenizer, batch_size=args.hf_batch_size)
+        engine = HfEngine(sampler_model, tokenizer, batch_size=args.hf_batch_size, compute_dtype=dtype)
 
     dataset = Gsm8kDataset("train", args.data_dir, limit=args.num_train_examples)
     eval_set = Gsm8kDataset(args.eval_split, args.data_dir, limit=args.eval_num_examples)
@@ -200,7 +213,8 @@ def train(args, base_model_checkpoint_path) -> dict:
         policy_version = sampler_version = state["policy_version"]
         say(f"resumed from {args.state_dir} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
 
-    rollout_sampling = SamplingSettings.from_args(args, "sampling_")
+    # the sampler also returns its log-probs of the sampled ids, to log how far it is from the trainer
+    rollout_sampling = replace(SamplingSettings.from_args(args, "sampling_"), return_log_probs=args.rollout_tokens == "ids")
     single_step_per_batch = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.total_rollouts
     rank_args = per_rank_args(args, ranks)  # this rank's share of the batch sizes
     eval_metrics = {}
@@ -239,7 +253,8 @@ def train(args, base_model_checkpoint_path) -> dict:
             # 4. token sequences: prompt + the sampled ids (or the seed's re-tokenised
             #    full text); the mask keeps generated tokens only
             if args.rollout_tokens == "ids":
-                tokens = tokenize_rollout_ids(grouped_prompts, [g.token_ids for g in generations], tokenizer)
+                sampler_log_probs = [g.log_probs for g in generations] if all(g.log_probs is not None for g in generations) else None
+                tokens = tokenize_rollout_ids(grouped_prompts, [g.token_ids for g in generations], tokenizer, sampler_log_probs)
             else:
                 tokens = tokenize_rollouts(grouped_prompts, responses, tokenizer)
             batch = {**tokens, "raw_rewards": raw_rewards, "advantages": advantages}
@@ -254,16 +269,17 @@ def train(args, base_model_checkpoint_path) -> dict:
             signal = raw_rewards if args.loss_type == "no_baseline" else advantages
             has_signal = ranks.any_true(args.kl_coef > 0 or not args.skip_zero_signal or bool(signal.abs().max() > 0))
             started = time.perf_counter()
+            scoring = {"chunk_size": args.logprob_chunk_size, "temperature": args.scoring_temperature, "compute_dtype": dtype}
             if has_signal and reference_model is not None:
-                batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, args.logprob_chunk_size)
+                batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, **scoring)
             if has_signal and args.loss_type == "grpo_clip" and args.old_policy == "rollout" and not single_step_per_batch:
-                batch["old_log_probs"] = score_with(model, batch, args.train_mini_batch_size, main_device, args.logprob_chunk_size)
+                batch["old_log_probs"] = score_with(model, batch, args.train_mini_batch_size, main_device, **scoring)
             timings["logprobs"] = time.perf_counter() - started
 
             # 6. policy-gradient update: log-probs, loss, backward, clip, step
             started = time.perf_counter()
             if has_signal:
-                totals = reduce_totals(update_policy(model, optimizer, scheduler, batch, rank_args, main_device, ranks=ranks), ranks)
+                totals = reduce_totals(update_policy(model, optimizer, scheduler, batch, rank_args, main_device, compute_dtype=dtype, ranks=ranks), ranks)
             else:
                 totals = empty_totals()
                 zero_signal_batches += 1
@@ -342,6 +358,11 @@ def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, gen
         "train/entropy": totals["entropy"] / microbatches,
         "train/clip_fraction": totals["clip_fraction"] / microbatches,
         "train/kl_ref": totals["kl_ref"] / microbatches,
+        # how far the sampler's log-probs of its own tokens are from the trainer's (0 and 1
+        # when on-policy; repetition penalty, top_p, a lagging sampler or bf16 kernels move them)
+        "train/sampler_logprob_abs_diff": totals["sampler_abs_diff"] / (totals["sampler_tokens"] or nan),
+        "train/sampler_importance_ratio": totals["sampler_ratio"] / (totals["sampler_tokens"] or nan),
+        "train/sampler_importance_ratio_max": totals["sampler_ratio_max"] if totals["sampler_tokens"] else nan,
         "train/response_length": generated_tokens / n_rollouts,
         "train/lr": scheduler.get_last_lr()[0],
         "train/skipped_steps": skipped_total,
@@ -363,7 +384,7 @@ def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, gen
         print(
             f"step {step}/{total_steps} reward {scalars['train/reward']:.3f} format {scalars['train/format_reward']:.3f} "
             f"answer {scalars['train/answer_reward']:.3f} loss {scalars['train/loss']:+.4f} kl {scalars['train/kl_ref']:.4f} "
-            f"clip {scalars['train/clip_fraction']:.3f} resp_tokens {scalars['train/response_length']:.0f} "
+            f"clip {scalars['train/clip_fraction']:.3f} sampler_gap {scalars['train/sampler_logprob_abs_diff']:.4f} resp_tokens {scalars['train/response_length']:.0f} "
             f"rollout_tok/s {scalars['perf/rollout_tokens_per_s']:.0f} train_tok/s {scalars['perf/train_tokens_per_s']:.0f} "
             f"{timings['step']:.1f}s" + (f" skipped {skipped_total}" if skipped_total else ""),
             flush=True,

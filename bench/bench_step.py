@@ -7,7 +7,8 @@
     python bench/bench_step.py --device cpu --tiny # CI smoke
 
 Workload W1 (the TRL comparison in ENVIRONMENT.md): a random-init model of the
-Qwen2.5-Math-1.5B shape, bf16; r1_zero prompts from GSM8K test questions; 32
+Qwen2.5-Math-1.5B shape, trained as train_rl trains by default (fp32 master weights,
+bf16 compute; `--extra=--no-fp32_master_weights` for pure bf16); r1_zero prompts from GSM8K test questions; 32
 prompts x 8 samples = 256 completions per optimizer step, each exactly 256 new
 tokens (min = max), temperature 1, top_p 1; microbatch 32 x 8 accumulation steps,
 one optimizer step per rollout batch, no reference model, lr 1e-6. The script runs
@@ -64,13 +65,14 @@ def main():
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--extra", default="", help="more train_rl flags, space-separated")
+    parser.add_argument("--tag", default="", help="suffix for the result's name (to keep two runs' rows apart)")
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench"))
     args = parser.parse_args()
 
     work = Path(args.out) / "step_work"
     checkpoint = build_checkpoint(REPO_ROOT / "runs" / "bench" / ("model_tiny" if args.tiny else "model"), args.tiny)
     data = prepare_data(work / "data")
-    name = f"step_{args.backend}_{args.gpus}gpu" + ("_fsdp" if args.fsdp else "") + ("_tiny" if args.tiny else "")
+    name = f"step_{args.backend}_{args.gpus}gpu" + ("_fsdp" if args.fsdp else "") + ("_tiny" if args.tiny else "") + (f"_{args.tag}" if args.tag else "")
     shutil.rmtree(work / name, ignore_errors=True)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.gpus)] if args.fsdp else [sys.executable]
     command = [
@@ -92,6 +94,7 @@ def main():
     steps = [json.loads(line) for line in open(work / name / "steps.jsonl")]
     measured = steps[1:] if len(steps) > 1 else steps  # step 1 pays compilation and warm-up
     row = {"row": name, "steps": len(steps), "median_step_seconds": statistics.median(s["perf/step_seconds"] for s in measured)}
+    row["flags"] = args.extra
     for part in ("rollout", "reward", "logprobs", "update", "sync"):
         row[f"{part}_seconds"] = statistics.median(s[f"perf/{part}_seconds"] for s in measured)
     row["rollout_share"] = row["rollout_seconds"] / row["median_step_seconds"]

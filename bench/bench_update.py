@@ -30,7 +30,7 @@ def update_args(microbatch: int, chunk_size: int, batch_size: int) -> SimpleName
         seed=0, epochs_per_rollout_batch=1, train_batch_size=batch_size, train_mini_batch_size=microbatch,
         gradient_accumulation_steps=batch_size // microbatch, loss_type="grpo_clip", old_policy="rollout",
         cliprange=0.2, cliprange_high=0.2, length_normalization="mean", length_normalization_constant=1.0,
-        kl_coef=0.0, logprob_chunk_size=chunk_size, max_grad_norm=1.0,
+        kl_coef=0.0, logprob_chunk_size=chunk_size, max_grad_norm=1.0, scoring_temperature=1.0,
     )
 
 
@@ -51,14 +51,15 @@ def main():
     parser.add_argument("--batch_size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
+    parser.add_argument("--pure_bf16", action="store_true", help="bf16 weights and AdamW state (train_rl --no-fp32_master_weights); default fp32 master weights, bf16 compute")
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench"))
     args = parser.parse_args()
 
     device = args.device
     checkpoint = build_checkpoint(args.checkpoint or REPO_ROOT / "runs" / "bench" / ("model_tiny" if args.tiny else "model"), args.tiny)
     tokenizer = load_tokenizer(checkpoint)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    base = load_hf_model(checkpoint, device, dtype)
+    compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    base = load_hf_model(checkpoint, device, compute_dtype if args.pure_bf16 else torch.float32)
     config = base.config
     batch = synthetic_grpo_batch(tokenizer, args.batch_size, seed=0, tiny=args.tiny)
     lengths = batch["lengths"]
@@ -81,6 +82,7 @@ def main():
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     rows = []
+    result_name = "update" + ("_pure_bf16" if args.pure_bf16 else "") + ("_tiny" if args.tiny else "")
     for name, (microbatch, chunk, sort, checkpointing, compiled) in variants.items():
         model = optimizer = None  # free the previous variant's copy before making the next
         model = copy.deepcopy(base)
@@ -98,7 +100,7 @@ def main():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            seconds, times = timed(lambda: update_policy(model, optimizer, scheduler, batch, step_args, device, sort_by_length=sort), device,
+            seconds, times = timed(lambda: update_policy(model, optimizer, scheduler, batch, step_args, device, compute_dtype=compute_dtype, sort_by_length=sort), device,
                                    repeats=args.repeats, warmup=2 if compiled else 1)
         except torch.OutOfMemoryError:
             rows.append({"workload": "update", "variant": name, "error": "out of memory"})
@@ -106,19 +108,20 @@ def main():
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else float("nan")
         computed = padded_positions(lengths, microbatch, sort)
         rows.append({
-            "workload": "update", "variant": name, "microbatch": microbatch, "seconds": seconds,
+            "workload": "update", "variant": name, "master_weights": "bf16" if args.pure_bf16 else "fp32", "microbatch": microbatch, "seconds": seconds,
             "tokens_per_s": real_tokens / seconds, "mfu": sequence_flops(config, lengths) / seconds / 1e12 / ceiling,
             "peak_gib": peak, "padding_share": 1 - real_tokens / computed, "times": times,
         })
-        write_result(args.out, "update" + ("_tiny" if args.tiny else ""), rows)
+        write_result(args.out, result_name, rows)
 
-    base.eval()
+    base.eval()  # the frozen reference's scoring pass: bf16 weights, as train_rl holds it
+    base.to(compute_dtype)
     for name, (microbatch, chunk) in {"logprob_naive_mb16": (16, 0), "logprob_fused_mb32": (32, 1024), "logprob_fused_mb64": (64, 1024)}.items():
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            seconds, times = timed(lambda: score_with(base, batch, microbatch, device, chunk), device, repeats=args.repeats)
+            seconds, times = timed(lambda: score_with(base, batch, microbatch, device, chunk, compute_dtype=compute_dtype), device, repeats=args.repeats)
         except torch.OutOfMemoryError:
             rows.append({"workload": "logprob", "variant": name, "error": "out of memory"})
             continue
@@ -128,7 +131,7 @@ def main():
             "workload": "logprob", "variant": name, "microbatch": microbatch, "seconds": seconds,
             "tokens_per_s": real_tokens / seconds, "mfu": forward_flops / seconds / 1e12 / ceiling, "peak_gib": peak, "times": times,
         })
-        write_result(args.out, "update" + ("_tiny" if args.tiny else ""), rows)
+        write_result(args.out, result_name, rows)
 
 
 if __name__ == "__main__":

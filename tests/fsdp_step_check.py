@@ -44,7 +44,7 @@ batch["lengths"] = sequence_lengths(batch["response_mask"])
 args = SimpleNamespace(
     seed=0, epochs_per_rollout_batch=1, train_batch_size=16, train_mini_batch_size=4, gradient_accumulation_steps=4,
     loss_type="reinforce_with_baseline", old_policy="rollout", cliprange=0.2, cliprange_high=0.2,
-    length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=0, max_grad_norm=1.0,
+    length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=0, max_grad_norm=1.0, scoring_temperature=1.0,
 )
 args = per_rank_args(args, ranks)
 # SGD, so equal weights mean equal gradients: Adam's first step is lr * sign(g), which

@@ -85,3 +85,51 @@ def test_hf_engine_load_weights_copies_the_policy(tiny_model_and_tokenizer):
     policy = perturbed(model, seed=2)
     sampler.load_weights(policy.state_dict().items())
     assert texts(sampler) == texts(HfEngine(policy, tokenizer))
+
+
+# ------------------------------------------------ the sampler's own log-probs
+
+def trainer_log_probs(model, tokenizer, generations, temperature):
+    """The trainer's view of sampled rollouts: tokenised ids, log-probs at `temperature`."""
+    from alignment.sft_helpers import get_response_log_probs, tokenize_rollout_ids
+
+    batch = tokenize_rollout_ids(PROMPTS, [g.token_ids for g in generations], tokenizer, [g.log_probs for g in generations])
+    with torch.no_grad():
+        scored = get_response_log_probs(model, batch["input_ids"], batch["labels"], chunk_size=7, temperature=temperature)["log_probs"]
+    mask = batch["response_mask"]
+    return scored[mask], batch["sampler_log_probs"][mask]
+
+
+# min_tokens 0: a minimum length masks eos out of the first tokens' distribution, a real
+# (small) sampler/trainer gap that train/sampler_logprob_abs_diff shows
+TEMPERED = SamplingSettings(temperature=0.7, min_tokens=0, max_tokens=12, repetition_penalty=1.0, return_log_probs=True)
+
+
+def test_hf_sampler_log_probs_equal_the_trainers_at_the_sampling_temperature(tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    policy = perturbed(model, seed=3)
+    torch.manual_seed(0)
+    generations = HfEngine(policy, tokenizer).generate(PROMPTS, TEMPERED)
+    assert all(len(g.log_probs) == g.num_tokens for g in generations)
+    trainer, sampler = trainer_log_probs(policy, tokenizer, generations, temperature=0.7)
+    assert trainer.numel() >= 15
+    assert torch.allclose(trainer, sampler, atol=1e-4)
+    # scored at temperature 1 (the seed) the same tokens look off-policy
+    untempered, _ = trainer_log_probs(policy, tokenizer, generations, temperature=1.0)
+    assert (untempered - sampler).abs().mean() > 0.05
+
+
+def test_vllm_sampler_log_probs_equal_the_trainers_at_the_sampling_temperature(vllm_engine, tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    policy = perturbed(model, seed=3)
+    vllm_engine.load_weights(policy.state_dict().items())
+    try:
+        generations = vllm_engine.generate(PROMPTS, TEMPERED)
+    finally:
+        vllm_engine.load_weights(model.state_dict().items())
+    assert all(len(g.log_probs) == g.num_tokens for g in generations)
+    trainer, sampler = trainer_log_probs(policy, tokenizer, generations, temperature=0.7)
+    assert trainer.numel() >= 15
+    assert torch.allclose(trainer, sampler, atol=1e-3), (trainer - sampler).abs().max()
+    untempered, _ = trainer_log_probs(policy, tokenizer, generations, temperature=1.0)
+    assert (untempered - sampler).abs().mean() > 0.05

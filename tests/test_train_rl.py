@@ -115,7 +115,7 @@ def test_one_step_loss_equals_hand_computation(pipeline):
     args = SimpleNamespace(
         seed=0, epochs_per_rollout_batch=1, train_batch_size=4, train_mini_batch_size=2, gradient_accumulation_steps=2,
         loss_type="reinforce_with_baseline", old_policy="rollout", cliprange=0.2, cliprange_high=0.2,
-        length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=3, max_grad_norm=1e9,
+        length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=3, max_grad_norm=1e9, scoring_temperature=1.0,
     )
     optimizer = build_optimizer(model, 1e-3, 0.0)
     totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu")
@@ -137,7 +137,7 @@ def test_non_finite_gradient_skips_the_step(pipeline):
     args = SimpleNamespace(
         seed=0, epochs_per_rollout_batch=1, train_batch_size=2, train_mini_batch_size=2, gradient_accumulation_steps=1,
         loss_type="reinforce_with_baseline", old_policy="rollout", cliprange=0.2, cliprange_high=0.2,
-        length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=0, max_grad_norm=1.0,
+        length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=0, max_grad_norm=1.0, scoring_temperature=1.0,
     )
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = build_optimizer(model, 1e-3, 0.0)

@@ -1,0 +1,99 @@
+"""Does training learn at RL learning rates? The demo's task on a GPU, one SFT, several RL runs.
+
+    python bench/bench_learning.py                       # one H200: 5 RL runs side by side on one GPU
+    python bench/bench_learning.py --device cpu --steps 2 --variants lr1e-5_fp32_master   # smoke
+
+The demo's synthetic task and tiny model (alignment/demo.py), one SFT checkpoint,
+then `python -m alignment.train_rl` with the demo's RL flags, changing only the
+learning rate and the precision, all runs at once on the same GPU (the model is
+tiny; each run's vLLM engine takes a small slice of the memory). Held-out accuracy
+(200 problems, greedy) at steps 10 / 20 / 30 / 40 is read from each run's log.
+
+The SFT stage runs with --no-fp32_master_weights by default: that reproduces the
+SFT checkpoint the issue's "before" table started from (pure bf16, as every GPU
+run did before fp32 master weights; its lr of 1e-3 survives bf16 rounding).
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT))
+from alignment.demo import CONFIG  # noqa: E402
+
+# name -> the flags that differ from the demo's RL flags
+VARIANTS = {
+    "lr1e-5_fp32_master": ["--learning_rate", "1e-5"],
+    "lr1e-5_pure_bf16": ["--learning_rate", "1e-5", "--no-fp32_master_weights"],
+    "lr2e-6_fp32_master": ["--learning_rate", "2e-6"],
+    "lr2e-6_pure_bf16": ["--learning_rate", "2e-6", "--no-fp32_master_weights"],
+    "lr1e-5_all_fp32": ["--learning_rate", "1e-5", "--dtype", "float32"],
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (all runs share cuda:0) or cpu")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--sft_flags", default="--no-fp32_master_weights", help="extra train_sft flags")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench" / "learning"))
+    args = parser.parse_args()
+
+    from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
+    from alignment.tiny_model import build_tiny_checkpoint, r1_zero_template_pieces
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    started = time.perf_counter()
+    data = write_synthetic_gsm8k(out / "data", seed=args.seed, **CONFIG["task"])
+    base = build_tiny_checkpoint(out / "base", texts=tokenizer_corpus(data), seed=args.seed, whole_tokens=r1_zero_template_pieces(), **CONFIG["model"])
+    common = ["--data_dir", str(data), "--seed", str(args.seed)]
+    sft = out / "sft"
+    if not (sft / "config.json").is_file():
+        command = [sys.executable, "-m", "alignment.train_sft", "--model", str(base), "--checkpoint_path", str(sft), "--log_dir", str(out / "runs"),
+                   "--run_name", "sft", *CONFIG["sft"], *common, *args.sft_flags.split()]
+        with open(out / "sft.log", "w") as log:
+            subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    sft_seconds = time.perf_counter() - started
+    sft_accuracy = re.findall(r"eval step \d+: accuracy ([\d.]+)", (out / "sft.log").read_text())
+    print(f"SFT checkpoint {sft} ({sft_seconds:.0f}s); SFT-time greedy accuracy {sft_accuracy[-1] if sft_accuracy else '?'}", flush=True)
+
+    names = args.variants.split(",")
+    per_engine = f"{0.5 / len(names):.3f}"
+    processes = {}
+    for name in names:
+        command = [
+            sys.executable, "-m", "alignment.train_rl", "--sft_checkpoint_path", str(sft), "--checkpoint_path", str(out / name / "rl"),
+            "--log_dir", str(out / "runs"), "--run_name", name, "--layout", "auto", "--rollout_backend", "vllm",
+            "--vllm_enforce_eager", "--vllm_gpu_memory_utilization", per_engine, "--vllm_kv_cache_gb", "0.5",
+            *CONFIG["rl"], *common, "--max_steps", str(args.steps), *VARIANTS[name],
+        ]
+        log = open(out / f"{name}.log", "w")
+        processes[name] = (subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log, time.perf_counter())
+    rows = []
+    for name, (process, log, begun) in processes.items():
+        code = process.wait()
+        log.close()
+        text = (out / f"{name}.log").read_text()
+        accuracy = {int(step): float(value) for step, value in re.findall(r"eval step (\d+): accuracy ([\d.]+)", text)}
+        rows.append({"variant": name, "flags": " ".join(VARIANTS[name]), "exit": code, "minutes": (time.perf_counter() - begun) / 60, "accuracy_by_step": accuracy})
+        print(f"{name:<22} exit {code}  " + " / ".join(f"{accuracy[s]:.3f}" if s in accuracy else "-" for s in sorted(accuracy)), flush=True)
+    summary = {"sft_seconds": sft_seconds, "sft_flags": args.sft_flags, "rl_flags": CONFIG["rl"], "steps": args.steps, "rows": rows,
+               "minutes_total": (time.perf_counter() - started) / 60}
+    (out / "learning.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
