@@ -150,6 +150,9 @@ def build_rl_parser() -> argparse.ArgumentParser:
     loss.add_argument("--scoring_temperature", type=_positive_float, default=None,
                       help="logits are divided by this in every scoring pass (policy, old policy, reference, KL, entropy); default --sampling_temperature, "
                            "so the loss scores the distribution the rollouts were drawn from (TRL, verl); 1 = the seed's raw-model scoring")
+    loss.add_argument("--sampler_logprobs_every", type=_non_negative_int, default=16,
+                      help="ask the sampler for its log-probs of every Nth rollout, for train/sampler_* (the sampler/trainer gap); 1 = all, 0 = none. "
+                           "vLLM detokenises each returned log-prob in Python: all of W1's 65k tokens doubled its rollout time on an H200")
     loss.add_argument("--logprob_chunk_size", type=_non_negative_int, default=1024, help="tokens per chunk of the fused lm_head+log-softmax (never builds fp32 (B,T,V)); 0 = naive log_softmax+gather")
 
     evaluation = parser.add_argument_group("evaluation")

@@ -121,7 +121,7 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
 
 def _add_mismatch(sums, trainer, sampler, mask):
     """Running (sum |trainer - sampler|, sum ratio, max ratio, tokens) over response tokens."""
-    mask = mask.bool()
+    mask = mask.bool() & ~torch.isnan(sampler)  # rows the sampler did not score are NaN
     difference = (trainer - sampler)[mask]
     ratio = torch.exp(difference)
     step = (difference.abs().sum(), ratio.sum(), ratio.max() if ratio.numel() else ratio.new_zeros(()), mask.sum().to(ratio.dtype))

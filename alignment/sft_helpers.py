@@ -65,15 +65,18 @@ def tokenize_rollout_ids(prompt_strs: list[str], response_token_ids: list[list[i
     tokens that were sampled, even where decoding and re-encoding a response would
     give other tokens (partial UTF-8 bytes, merges across the prompt boundary).
     Same keys, shapes and masking (pad, eos and bos positions excluded).
-    With `response_log_probs` (the sampler's, one per response token) the batch
-    also holds "sampler_log_probs" (B, T), aligned with `labels` (0 elsewhere).
+    With `response_log_probs` (the sampler's, one per response token, or None for
+    a row it did not score) the batch also holds "sampler_log_probs" (B, T),
+    aligned with `labels`, NaN where there is no sampler value.
     """
     prompt_ids = tokenizer(list(prompt_strs))["input_ids"]
     sequences = [p + list(r) for p, r in zip(prompt_ids, response_token_ids, strict=True)]
     batch = _pad_and_shift(sequences, [len(p) for p in prompt_ids], [len(ids) for ids in sequences], _pad_id(tokenizer))
     if response_log_probs is not None:
-        grid = torch.zeros(batch["labels"].shape, dtype=torch.float32)
+        grid = torch.full(batch["labels"].shape, float("nan"), dtype=torch.float32)
         for row, (prompt, values) in enumerate(zip(prompt_ids, response_log_probs, strict=True)):
+            if values is None:
+                continue
             # labels[t] is token t + 1, so response token j sits at len(prompt) - 1 + j
             grid[row, len(prompt) - 1 : len(prompt) - 1 + len(values)] = torch.tensor(values, dtype=torch.float32)
         batch["sampler_log_probs"] = grid

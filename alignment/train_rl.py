@@ -214,7 +214,7 @@ def train(args, base_model_checkpoint_path) -> dict:
         say(f"resumed from {args.state_dir} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
 
     # the sampler also returns its log-probs of the sampled ids, to log how far it is from the trainer
-    rollout_sampling = replace(SamplingSettings.from_args(args, "sampling_"), return_log_probs=args.rollout_tokens == "ids")
+    rollout_sampling = replace(SamplingSettings.from_args(args, "sampling_"), log_probs_every=args.sampler_logprobs_every if args.rollout_tokens == "ids" else 0)
     single_step_per_batch = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.total_rollouts
     rank_args = per_rank_args(args, ranks)  # this rank's share of the batch sizes
     eval_metrics = {}
@@ -253,7 +253,7 @@ def train(args, base_model_checkpoint_path) -> dict:
             # 4. token sequences: prompt + the sampled ids (or the seed's re-tokenised
             #    full text); the mask keeps generated tokens only
             if args.rollout_tokens == "ids":
-                sampler_log_probs = [g.log_probs for g in generations] if all(g.log_probs is not None for g in generations) else None
+                sampler_log_probs = [g.log_probs for g in generations] if any(g.log_probs is not None for g in generations) else None
                 tokens = tokenize_rollout_ids(grouped_prompts, [g.token_ids for g in generations], tokenizer, sampler_log_probs)
             else:
                 tokens = tokenize_rollouts(grouped_prompts, responses, tokenizer)

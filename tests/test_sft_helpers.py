@@ -120,3 +120,15 @@ def test_sft_microbatch_train_step_hand_case():
     assert meta["num_response_tokens"].item() == 4
     expected = torch.tensor([[0.0, -0.125, -0.125], [-0.125, -0.125, 0.0]])
     assert torch.allclose(log_probs.grad, expected)
+
+
+def test_sampler_log_probs_align_with_labels_and_skip_unscored_rows(tiny_model_and_tokenizer):
+    from alignment.sft_helpers import tokenize_rollout_ids
+
+    _, tokenizer = tiny_model_and_tokenizer
+    responses = [[5, 6, 7], [8, 9]]
+    batch = tokenize_rollout_ids(PROMPTS, responses, tokenizer, [[-0.5, -1.5, -2.5], None])
+    grid, mask = batch["sampler_log_probs"], batch["response_mask"]
+    assert grid[0][mask[0]].tolist() == [-0.5, -1.5, -2.5]  # each value sits on its token's label
+    assert batch["labels"][0][mask[0]].tolist() == responses[0]
+    assert torch.isnan(grid[0][~mask[0]]).all() and torch.isnan(grid[1]).all()  # no value: NaN, never a fake 0
