@@ -1,6 +1,6 @@
 """Does training learn at RL learning rates? The demo's task on a GPU, one SFT, several RL runs.
 
-    python bench/bench_learning.py                       # one H200: 5 RL runs side by side on one GPU
+    python bench/bench_learning.py                       # one H200: 5 RL runs side by side on one GPU (~3 minutes)
     python bench/bench_learning.py --device cpu --steps 2 --variants lr1e-5_fp32_master   # smoke
 
 The demo's synthetic task and tiny model (alignment/demo.py), one SFT checkpoint,
@@ -82,6 +82,12 @@ def main():
         ]
         log = open(out / f"{name}.log", "w")
         processes[name] = (subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log, time.perf_counter())
+        # one engine start at a time: vLLM sizes its KV cache from the GPU memory it sees
+        # during start-up, and engines profiling at once counted each other's memory (five at
+        # once on an H200: two failed with "No available memory for the cache blocks")
+        deadline = time.time() + 600
+        while processes[name][0].poll() is None and "started in" not in (out / f"{name}.log").read_text() and time.time() < deadline:
+            time.sleep(2)
     rows = []
     for name, (process, log, begun) in processes.items():
         code = process.wait()
