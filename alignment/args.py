@@ -215,6 +215,53 @@ def validate_rl_args(args) -> None:
     _check_data_dir(args.data_dir)
 
 
+# Flags that define an RL run: the data order, the rollouts and the loss depend on them,
+# so `--resume` refuses a different value. Every other flag may change on resume and
+# takes effect (learning rate, step counts, evaluation, logging, devices, speed switches).
+RUN_DEFINING_FLAGS = (
+    "sft_checkpoint_path", "model", "data_dir", "num_train_examples", "seed", "rollout_batch_size", "group_size",
+    "num_epochs", "loss_type", "use_std_normalization", "advantage_eps", "cliprange", "cliprange_high", "old_policy",
+    "kl_coef", "length_normalization", "length_normalization_constant", "train_batch_size", "epochs_per_rollout_batch",
+    "sampling_temperature", "sampling_top_p", "sampling_min_tokens", "sampling_max_tokens", "repetition_penalty",
+    "rollout_tokens", "rollout_sync_every", "scoring_temperature", "dtype", "fp32_master_weights", "weight_decay",
+    "adam_betas", "max_grad_norm",
+)
+_NOT_RECORDED = ("resume",)
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def run_record(args, train_data_sha256: str) -> dict:
+    """What a training state records about its run: every flag, and the training data's SHA-256."""
+    flags = {key: _plain(value) for key, value in sorted(vars(args).items()) if key not in _NOT_RECORDED}
+    return {"flags": flags, "train_data_sha256": train_data_sha256}
+
+
+def check_resume_flags(saved: dict, args, train_data_sha256: str) -> list[str]:
+    """Compare a saved run record with this command's flags.
+
+    Raises UserError for a changed run-defining flag or changed training data; returns
+    one line per other flag that changed (those take effect).
+    """
+    flags = saved.get("flags", {})
+    for key in RUN_DEFINING_FLAGS:
+        if key in flags and flags[key] != _plain(getattr(args, key)):
+            raise UserError(
+                f"--resume: --{key} is {_plain(getattr(args, key))!r} but the run was started with {flags[key]!r}; "
+                f"pass --{key} {flags[key]} to resume it, or start a new run with another --checkpoint_path"
+            )
+    if saved.get("train_data_sha256") not in (None, train_data_sha256):
+        raise UserError(f"--resume: {args.data_dir}/train.jsonl changed since the run started, so its data order would shift; "
+                        "restore the file, or start a new run with another --checkpoint_path")
+    return [
+        f"--{key} {_plain(getattr(args, key))} (the run had {flags[key]})"
+        for key in sorted(flags)
+        if key not in RUN_DEFINING_FLAGS and hasattr(args, key) and flags[key] != _plain(getattr(args, key))
+    ]
+
+
 def _check_data_dir(data_dir) -> None:
     for split in ("train", "test"):
         path = Path(data_dir) / f"{split}.jsonl"

@@ -1,15 +1,208 @@
-"""Atomic checkpoint writes: a crash mid-save never costs the previous checkpoint.
+"""Folders this tool owns: written atomically, checked on the way back in, one writer at a time.
 
-Every write goes to a fresh sibling folder `<path>.tmp-<pid>`; only when it is
-complete does it replace `<path>`. A folder cannot be renamed over a non-empty
-one, so the swap is two renames: `<path>` -> `<path>.old`, then tmp -> `<path>`.
-A crash between them (microseconds) leaves `<path>.old`, which
-`recover_checkpoint` renames back the next time anything reads the path.
+Every folder train_rl and train_sft write (the SFT and RL checkpoints, the training
+state, the temporary evaluation checkpoint) is written whole into a sibling
+`<path>.tmp-<pid>-<thread>` and only then swapped in, so a crash mid-write never
+costs the previous one. A folder cannot be renamed over a non-empty one, so the swap
+is two renames: `<path>` -> `<path>.old`, then tmp -> `<path>`; a crash between
+them leaves `<path>.old`, which `recover_checkpoint` renames back the next time
+anything reads the path.
+
+Each folder carries MANIFEST_NAME: who wrote it, what kind of folder it is, the size
+and SHA-256 of every file (and, for a training state, the flags that define the run).
+So the tool
+- replaces or removes only folders with its manifest: a user's folder at an output
+  path is refused at start-up with nothing touched (`check_output_path`);
+- finds a damaged file (truncated, zeroed, deleted) before using it (`verify_manifest`).
+`OutputLock` keeps a second run off the same paths (an exclusive `flock` on
+`<path>.lock`, released by the kernel when the process dies, so never stale), and the
+swap itself is serialised per path, within a process and across processes.
 """
 
+import errno
+import fcntl
+import hashlib
+import json
 import os
 import shutil
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
+
+from alignment.errors import UserError
+
+MANIFEST_NAME = "alignment_manifest.json"
+WRITER = "alignment"
+
+
+# ------------------------------------------------------------------ ownership
+
+
+def read_manifest(path) -> dict | None:
+    """The manifest of a folder this tool wrote, or None (no folder, no manifest, not ours)."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("written_by") == WRITER else None
+
+
+def is_owned(path) -> bool:
+    return read_manifest(path) is not None
+
+
+def _is_empty_folder(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
+
+
+def check_output_path(path, flag: str) -> None:
+    """Start-up check of a folder this run will write: ours, empty or absent, and writable.
+
+    Raises UserError (nothing touched) for a regular file at the path, a folder of
+    someone else's, or a location where nothing can be created.
+    """
+    path = Path(path)
+    recover_checkpoint(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file, not a folder; pass a folder path (nothing was changed)")
+    if path.is_dir() and not _is_empty_folder(path) and not is_owned(path):
+        raise UserError(f"{flag} {path} holds files this tool did not write; pass another path or move them away (nothing was changed)")
+    check_writable(path.parent, flag, path)
+
+
+def check_writable(folder, flag: str, target=None) -> None:
+    """Create (and delete) a file in `folder`, or in its nearest existing ancestor."""
+    folder = Path(folder)
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))
+    target = target or folder
+    if not existing.is_dir():
+        raise UserError(f"{flag} {target}: {existing} is a file, so no folder can be made there; pass another path")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".alignment-write-check-"):
+            pass
+    except OSError as error:
+        raise UserError(f"{flag} {target}: cannot write in {existing} ({error.strerror}); pass a writable path or fix its permissions") from None
+
+
+# ------------------------------------------------------------------ integrity
+
+
+def _sha256(file: Path) -> str:
+    with open(file, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _file_table(folder: Path) -> dict:
+    return {
+        str(file.relative_to(folder)): {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        for file in sorted(folder.rglob("*"))
+        if file.is_file() and file.name != MANIFEST_NAME
+    }
+
+
+def verify_manifest(path, what: str) -> dict:
+    """Check every file the manifest lists (present, same size, same SHA-256); return the manifest.
+
+    Raises UserError naming the first damaged file. `what` says what the folder is for
+    (it goes into the message, with the way forward).
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise UserError(f"{path} has no readable {MANIFEST_NAME}, so it cannot be checked; {what}")
+    for name, expected in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            raise UserError(f"{file} is missing (listed in {path / MANIFEST_NAME}); {what}")
+        if file.stat().st_size != expected["bytes"]:
+            raise UserError(f"{file} is damaged: {file.stat().st_size} bytes, {expected['bytes']} when written; {what}")
+        if _sha256(file) != expected["sha256"]:
+            raise UserError(f"{file} is damaged: its SHA-256 differs from when it was written; {what}")
+    return manifest
+
+
+# ------------------------------------------------------------------ one writer
+
+
+_held: dict[str, int] = {}  # lock file -> fd, for the run locks this process holds
+_swap_guards: dict[str, threading.Lock] = {}
+_swap_guards_lock = threading.Lock()
+
+
+def _lock_file(path) -> Path:
+    path = Path(path).absolute()
+    return path.with_name(path.name + ".lock")
+
+
+class OutputLock:
+    """Exclusive, non-blocking locks on a run's output paths for as long as the run lives.
+
+    A second run on any of them exits with one line naming the first one's PID.
+    """
+
+    def __init__(self, paths_and_flags):
+        self.held = []
+        try:
+            for path, flag in paths_and_flags:
+                self._acquire(_lock_file(path), flag, path)
+        except BaseException:
+            self.release()
+            raise
+
+    def _acquire(self, lock: Path, flag: str, path) -> None:
+        if str(lock) in _held:
+            return
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UserError(f"{flag} {path} is in use by another run (pid {owner}, lock {lock}); wait for it to end or pass another path") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        _held[str(lock)] = fd
+        self.held.append(str(lock))
+
+    def release(self) -> None:
+        for lock in self.held:
+            os.close(_held.pop(lock))
+        self.held = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+@contextmanager
+def _swap_lock(path):
+    """Serialise writers of one path: threads by a lock, processes by flock on `<path>.lock`.
+
+    A process that holds the run lock for the path (OutputLock) already excludes other
+    processes, so only the thread lock is taken then.
+    """
+    lock = _lock_file(path)
+    with _swap_guards_lock:
+        guard = _swap_guards.setdefault(str(lock), threading.Lock())
+    with guard:
+        if str(lock) in _held:
+            yield
+            return
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+# ------------------------------------------------------------------ atomic writes
 
 
 def _siblings(path: Path, marker: str):
@@ -17,7 +210,7 @@ def _siblings(path: Path, marker: str):
 
 
 def recover_checkpoint(path) -> None:
-    """Undo a swap interrupted between its two renames; drop stale temp folders."""
+    """Undo a swap interrupted between its two renames; drop temp folders of dead writers."""
     path = Path(path)
     old = path.with_name(path.name + ".old")
     if not path.exists() and old.exists():
@@ -25,7 +218,7 @@ def recover_checkpoint(path) -> None:
     elif old.exists():
         shutil.rmtree(old, ignore_errors=True)
     for temp in _siblings(path, "tmp-"):
-        pid = temp.name.rsplit("-", 1)[-1]
+        pid = temp.name.rsplit(".tmp-", 1)[-1].split("-")[0]
         if not pid.isdigit() or not _process_alive(int(pid)):
             shutil.rmtree(temp, ignore_errors=True)
 
@@ -42,23 +235,39 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def write_atomically(path, write_into) -> Path:
-    """Call `write_into(temp_folder)`, then move the folder to `path`."""
+def write_atomically(path, write_into, kind: str, record: dict | None = None) -> Path:
+    """Call `write_into(temp_folder)`, add the manifest, then move the folder to `path`.
+
+    `kind` names the folder ("checkpoint", "training_state", ...); `record` adds fields
+    to the manifest. Refuses (UserError) to replace a folder this tool did not write.
+    A failed write (disk full, permissions) raises UserError and leaves the previous
+    folder at `path` as it was.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    recover_checkpoint(path)
-    temp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    if temp.exists():
-        shutil.rmtree(temp)
-    temp.mkdir()
-    write_into(temp)
-    _fsync_tree(temp)
-    old = path.with_name(path.name + ".old")
-    if path.exists():
-        os.rename(path, old)
-    os.rename(temp, path)
-    if old.exists():
-        shutil.rmtree(old)
+    with _swap_lock(path):
+        recover_checkpoint(path)
+        if path.exists() and not (path.is_dir() and (is_owned(path) or _is_empty_folder(path))):
+            raise UserError(f"{path} holds files this tool did not write; it was left as it is, and nothing was saved there")
+        temp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(temp, ignore_errors=True)
+            temp.mkdir()
+            write_into(temp)
+            manifest = {"written_by": WRITER, "kind": kind, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(record or {}), "files": _file_table(temp)}
+            (temp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+            _fsync_tree(temp)
+            old = path.with_name(path.name + ".old")
+            if path.exists():
+                os.rename(path, old)
+            os.rename(temp, path)
+            if old.exists():
+                shutil.rmtree(old)
+        except OSError as error:
+            shutil.rmtree(temp, ignore_errors=True)
+            kept = f"the previous {path} is intact" if path.exists() else f"nothing was at {path} before"
+            hint = "free some space" if error.errno == errno.ENOSPC else "check the path"
+            raise UserError(f"could not write {path} ({error.strerror or error}); {kept}; {hint} and run again (--resume continues from the last saved state)") from None
     return path
 
 
@@ -69,8 +278,14 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(handle.fileno())
 
 
+def remove_output(path) -> None:
+    """Delete a folder this tool wrote; anything else is left alone."""
+    if is_owned(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def save_model_atomically(model, tokenizer, path, state_dict=None) -> Path:
-    """`save_pretrained` of model and tokenizer into `path`, atomically.
+    """`save_pretrained` of model and tokenizer into `path`, atomically, with a manifest.
 
     The result is an ordinary Hugging Face folder that transformers and vLLM load.
     `state_dict` overrides the model's own (full weights gathered from FSDP shards).
@@ -80,19 +295,29 @@ def save_model_atomically(model, tokenizer, path, state_dict=None) -> Path:
         model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(folder)
 
-    return write_atomically(path, write)
+    return write_atomically(path, write, kind="checkpoint")
 
 
-def save_training_state(state_dir, model, tokenizer, model_state: dict, optimizer_state: dict, scheduler, counters: dict) -> Path:
+def check_saved_model(path, what: str) -> None:
+    """Before using a checkpoint: verify it when this tool wrote it (others cannot be checked)."""
+    if is_owned(path):
+        verify_manifest(path, what)
+
+
+# ------------------------------------------------------------------ training state
+
+
+def save_training_state(state_dir, model, tokenizer, model_state: dict, optimizer_state: dict, scheduler, counters: dict, run: dict) -> Path:
     """Everything `--resume` needs, written atomically into `state_dir`.
 
     policy/ (HF format, full weights), optimizer.pt (full and keyed by parameter
     name, so it loads into one GPU, the layer partition or any FSDP world size),
-    scheduler.pt, rng.pt (python, torch CPU and CUDA generators) and counters.json
-    (step, epoch, batch within the epoch, which fixes the data-loader position, and
-    the TensorBoard step). Called on one process; the caller gathers the states.
+    scheduler.pt, rng.pt (python, torch CPU and CUDA generators: tensors and plain
+    values, loaded with weights_only) and counters.json (step, epoch, batch within the
+    epoch, which fixes the data-loader position, and the TensorBoard step). `run` (the
+    flags that define the run, the data's fingerprint) goes into the manifest. Called
+    on one process; the caller gathers the states.
     """
-    import json
     import random
 
     import torch
@@ -108,40 +333,49 @@ def save_training_state(state_dir, model, tokenizer, model_state: dict, optimize
         torch.save(rng, folder / "rng.pt")
         (folder / "counters.json").write_text(json.dumps(counters, indent=2) + "\n")
 
-    return write_atomically(state_dir, write)
+    return write_atomically(state_dir, write, kind="training_state", record={"run": run, "step": counters["step"]})
 
 
 def has_training_state(state_dir) -> bool:
+    """A complete training state (its manifest written last) is in `state_dir`."""
     recover_checkpoint(state_dir)
-    return (Path(state_dir) / "counters.json").is_file()
+    manifest = read_manifest(state_dir)
+    return manifest is not None and manifest.get("kind") == "training_state"
 
 
-def remove_training_state(state_dir) -> None:
-    shutil.rmtree(state_dir, ignore_errors=True)
+def state_step(state_dir) -> int | None:
+    manifest = read_manifest(state_dir)
+    return manifest.get("step") if manifest else None
 
 
 def load_training_state(state_dir) -> dict | None:
-    """The latest state written by `save_training_state`, or None if there is none.
+    """The latest state written by `save_training_state`, checked, or None if there is none.
 
-    Restores the RNG states as a side effect; returns counters plus
-    `policy_path`, `optimizer` and `scheduler` state dicts.
+    Every file is verified against the manifest first; nothing is unpickled beyond
+    tensors and plain values (`weights_only=True`), so a state from elsewhere cannot
+    run code. Restores the RNG states as a side effect; returns counters plus
+    `policy_path`, `optimizer`, `scheduler` and the manifest's `run` record.
     """
-    import json
     import random
 
     import torch
 
     state_dir = Path(state_dir)
-    recover_checkpoint(state_dir)
-    if not (state_dir / "counters.json").is_file():
+    if not has_training_state(state_dir):
         return None
-    state = json.loads((state_dir / "counters.json").read_text())
-    state["policy_path"] = str(state_dir / "policy")
-    state["optimizer"] = torch.load(state_dir / "optimizer.pt", map_location="cpu", weights_only=True)
-    state["scheduler"] = torch.load(state_dir / "scheduler.pt", map_location="cpu", weights_only=True)
-    rng = torch.load(state_dir / "rng.pt", weights_only=False)
+    advice = f"the training state in {state_dir} cannot be resumed; remove it to start over"
+    manifest = verify_manifest(state_dir, advice)
+    try:
+        state = json.loads((state_dir / "counters.json").read_text())
+        state["optimizer"] = torch.load(state_dir / "optimizer.pt", map_location="cpu", weights_only=True)
+        state["scheduler"] = torch.load(state_dir / "scheduler.pt", map_location="cpu", weights_only=True)
+        rng = torch.load(state_dir / "rng.pt", weights_only=True)
+    except Exception as error:  # unpickling refused, or a file the manifest vouched for still does not parse
+        raise UserError(f"{state_dir}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}; {advice}") from None
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
+    state["policy_path"] = str(state_dir / "policy")
+    state["run"] = manifest.get("run", {})
     return state

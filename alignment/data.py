@@ -66,10 +66,18 @@ def split_path(data_dir: str | os.PathLike, split: str) -> Path:
     return Path(data_dir) / f"{split}.jsonl"
 
 
+def file_fingerprint(path) -> str:
+    """SHA-256 of a data file: a resumed run checks its data has not changed."""
+    import hashlib
+
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
 def load_gsm8k(split: str, data_dir: str | os.PathLike = DEFAULT_DATA_DIR) -> list[dict]:
     """Read and validate one split; every problem names the file and line.
 
-    Returns rows `{"question", "answer", "ground_truth"}`.
+    Returns rows `{"question", "answer", "ground_truth", "where"}` (where = "file:line").
     """
     if split not in SPLITS:
         raise UserError(f"unknown split '{split}': use one of {', '.join(SPLITS)}")
@@ -102,7 +110,7 @@ def load_gsm8k(split: str, data_dir: str | os.PathLike = DEFAULT_DATA_DIR) -> li
                 ground_truth = extract_ground_truth(row["answer"])
             except ValueError as error:
                 raise UserError(f"{where}: {error}") from None
-            rows.append({"question": row["question"], "answer": row["answer"], "ground_truth": ground_truth})
+            rows.append({"question": row["question"], "answer": row["answer"], "ground_truth": ground_truth, "where": where})
     if not rows:
         raise UserError(f"{path} holds no rows: re-download it with `python -m alignment.data download`")
     return rows
@@ -122,6 +130,21 @@ class Gsm8kDataset(Dataset):
         self.prompts = [format_r1_zero_prompt(row["question"]) for row in rows]
         self.completions = [build_sft_completion(row["answer"]) for row in rows]
         self.ground_truths = [row["ground_truth"] for row in rows]
+        self.sources = [row["where"] for row in rows]  # file:line of each problem, for error messages
+
+    def check_prompt_lengths(self, tokenizer, context: int | None, max_new_tokens: int, flag: str) -> None:
+        """Every prompt plus `max_new_tokens` must fit the model's context: one line naming the row if not.
+
+        Tokenizers give at most one token per UTF-8 byte (plus a few special ones), so only prompts
+        near the limit in bytes are tokenised (none, for real GSM8K).
+        """
+        if not context:
+            return
+        room = context - max_new_tokens
+        for prompt, where in zip(self.prompts, self.sources):
+            if len(prompt.encode()) + 8 > room and len(tokenizer(prompt)["input_ids"]) > room:
+                tokens = len(tokenizer(prompt)["input_ids"])
+                raise UserError(f"{where}: the prompt is {tokens} tokens; with {flag} {max_new_tokens} it does not fit the model's {context}-token context; shorten or remove that row, or lower {flag}")
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -99,14 +99,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--num_test", type=int, default=None, help="override the number of held-out problems")
     args = parser.parse_args(argv)
 
+    from alignment.checkpoint import remove_output
     from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
     from alignment.tiny_model import build_tiny_checkpoint, r1_zero_template_pieces
 
     started = time.perf_counter()
     out, checkpoints = Path(args.out), Path(args.checkpoints)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in (checkpoints / "sft", checkpoints / "rl", checkpoints / "rl.state", out / "sft", out / "rl"):
-        shutil.rmtree(stale, ignore_errors=True)  # a rerun starts clean: no old weights, no old curves in TensorBoard
+    # a rerun starts clean: no old weights (only folders this tool wrote are removed), no old curves
+    for stale in (checkpoints / "sft", checkpoints / "rl", checkpoints / "rl.state"):
+        remove_output(stale)
+    for stale in (out / "sft", out / "rl"):
+        shutil.rmtree(stale, ignore_errors=True)
     backend = ("vllm" if vllm_available() else "hf") if args.backend == "auto" else args.backend
     task = {**CONFIG["task"], **{key: value for key, value in (("num_train", args.num_train), ("num_test", args.num_test)) if value}}
     data = write_synthetic_gsm8k(out / "data", seed=args.seed, **task)

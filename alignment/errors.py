@@ -1,8 +1,10 @@
-"""One exception for mistakes a user can fix, and the CLI wrapper that prints it.
+"""One exception for mistakes a user can fix, one for a run stopped on request, and the CLI wrapper.
 
 Every entry point (`python -m alignment.train_rl`, `train_sft`, `evaluate`, `data`,
 `demo`) runs through `run_cli`, so bad flags, missing files and malformed rows end
-as one line on stderr and exit code 2, never as a traceback from inside a library.
+as one line on stderr and exit code 2, never as a traceback from inside a library;
+a run stopped by SIGINT or SIGTERM ends with the line that says how to resume it and
+the shell's exit code for that signal (130, 143).
 """
 
 import sys
@@ -16,6 +18,14 @@ class UserError(Exception):
     """
 
 
+class RunStopped(Exception):
+    """A run that stopped cleanly on a signal: `message` says what was saved and how to go on."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def run_cli(main, argv=None) -> int:
     """Call `main(argv)`; turn a `UserError` into `error: ...` on stderr and exit 2."""
     try:
@@ -23,4 +33,10 @@ def run_cli(main, argv=None) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except RunStopped as stopped:
+        print(stopped, file=sys.stderr)
+        sys.exit(stopped.exit_code)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training loop
+        print("interrupted (Ctrl-C); the last saved checkpoint or training state is intact", file=sys.stderr)
+        sys.exit(130)
     return 0

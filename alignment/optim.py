@@ -24,3 +24,17 @@ def build_scheduler(optimizer, warmup_steps: int, total_steps: int, schedule: st
         return 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def set_peak_learning_rate(optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, learning_rate: float) -> None:
+    """After loading a saved optimizer and scheduler: make `learning_rate` the peak from now on.
+
+    Both states carry the old rate (the param groups' `lr`/`initial_lr`, the scheduler's
+    `base_lrs`); the current rate becomes the new peak times the schedule's factor at
+    the step reached, so a resumed run with a new --learning_rate uses it at once.
+    """
+    scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = learning_rate
+        group["lr"] = learning_rate * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

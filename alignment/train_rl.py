@@ -48,6 +48,7 @@ the loss math in grpo.py.
 
 import json
 import math
+import os
 import random
 import time
 from dataclasses import replace
@@ -58,16 +59,18 @@ from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 
 from alignment import distributed
-from alignment.args import build_sft_parser, check_checkpoint, has_weights, model_context_length, parse_rl_args
-from alignment.checkpoint import has_training_state, load_training_state, recover_checkpoint, remove_training_state, save_model_atomically, save_training_state
-from alignment.data import Gsm8kDataset
+from alignment.args import build_sft_parser, check_checkpoint, check_resume_flags, has_weights, model_context_length, parse_rl_args, run_record
+from alignment.checkpoint import (OutputLock, check_output_path, check_saved_model, check_writable, has_training_state, load_training_state,
+                                  read_manifest, recover_checkpoint, remove_output, save_model_atomically, save_training_state, state_step)
+from alignment.data import Gsm8kDataset, file_fingerprint, split_path
 from alignment.devices import format_role_table, place_model, resolve_dtype, resolve_role_devices
 from alignment.distributed import NullWriter, check_fsdp_sizes, per_rank_args, rank_slice, reduce_reward_meta, reduce_totals, save_policy
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
-from alignment.errors import UserError, run_cli
+from alignment.errors import RunStopped, UserError, run_cli
 from alignment.evaluate import evaluate_in_subprocess, evaluate_math, format_metrics_table, summarize_samples, write_json, write_jsonl
 from alignment.grpo import advantages_from_scores
-from alignment.optim import build_optimizer, build_scheduler
+from alignment.interrupts import StopOnSignal, resume_command
+from alignment.optim import build_optimizer, build_scheduler, set_peak_learning_rate
 from alignment.policy_update import empty_totals, score_with, sequence_lengths, update_policy
 from alignment.precision import describe as describe_precision
 from alignment.precision import master_dtype
@@ -130,7 +133,7 @@ def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, rank
 # ---------------------------------------------------------------- the loop
 
 
-def train(args, base_model_checkpoint_path) -> dict:
+def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) -> dict:
     ranks = distributed.setup(args)  # one process (seed), or a torchrun launch with FSDP2
     say = print if ranks.is_main else (lambda *_, **__: None)
     random.seed(args.seed)
@@ -149,18 +152,22 @@ def train(args, base_model_checkpoint_path) -> dict:
     say("role -> device" + (f" (each of {ranks.world_size} ranks, FSDP2 policy)" if ranks.world_size > 1 else "") + "\n" + format_role_table(roles))
     say(f"precision: {describe_precision(policy_dtype, dtype)}; log-probs scored at temperature {args.scoring_temperature:g}")
 
-    state = load_training_state(args.state_dir) if args.resume else None
+    state = load_training_state(args.state_dir) if args.resume else None  # checked against its manifest
     if args.resume and state is None:
         say(f"--resume: no training state in {args.state_dir}; starting from the SFT checkpoint")
 
-    # init order (seed): writer, sampler, tokenizer, policy, reference, data, optimizer
+    # init order (seed): writer, sampler, tokenizer, policy, reference, data, optimizer; the
+    # data and tokenizer are read first here, so that a bad row fails before any model loads
+    tokenizer = load_tokenizer(args.model or base_model_checkpoint_path)
+    dataset = Gsm8kDataset("train", args.data_dir, limit=args.num_train_examples)
+    eval_set = Gsm8kDataset(args.eval_split, args.data_dir, limit=args.eval_num_examples)
+    context = model_context_length(base_model_checkpoint_path)
+    dataset.check_prompt_lengths(tokenizer, context, args.sampling_max_tokens, "--sampling_max_tokens")
+    eval_set.check_prompt_lengths(tokenizer, context, args.eval_max_tokens, "--eval_max_tokens")
     writer = SummaryWriter(f"{args.log_dir}/{args.run_name}", purge_step=state["step"] + 1 if state else None) if ranks.is_main else NullWriter()
     steps_log = Path(args.log_dir) / args.run_name / "steps.jsonl"  # one JSON line of scalars per step
-    if ranks.is_main and state is None:
-        steps_log.unlink(missing_ok=True)
-    elif ranks.is_main and steps_log.exists():  # drop steps logged after the state was saved (they run again)
-        kept = [line for line in steps_log.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
-        steps_log.write_text("".join(line + "\n" for line in kept))
+    if ranks.is_main:
+        _trim_steps_log(steps_log, state["step"] if state else 0, say)
     start_weights = state["policy_path"] if state else base_model_checkpoint_path
     if args.rollout_backend == "vllm":
         policy_gpus = set(roles["policy_layers"]) | {main_device, args.reference_model_device}
@@ -169,7 +176,6 @@ def train(args, base_model_checkpoint_path) -> dict:
                             enforce_eager=args.vllm_enforce_eager, shares_gpu=args.sample_device in policy_gpus)
         say(f"vLLM sampler on {args.sample_device} started in {engine.start_seconds:.1f}s"
             + (" (eager: compiled engines failed under torchrun on GPUs; see bench/RESULTS.md)" if engine.forced_eager else ""))
-    tokenizer = load_tokenizer(args.model or base_model_checkpoint_path)
     model = load_hf_model(start_weights, "cpu", policy_dtype)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -193,8 +199,6 @@ def train(args, base_model_checkpoint_path) -> dict:
         sampler_model = load_hf_model(start_weights, args.sample_device, dtype) if own_copy else model
         engine = HfEngine(sampler_model, tokenizer, batch_size=args.hf_batch_size, compute_dtype=dtype)
 
-    dataset = Gsm8kDataset("train", args.data_dir, limit=args.num_train_examples)
-    eval_set = Gsm8kDataset(args.eval_split, args.data_dir, limit=args.eval_num_examples)
     if len(dataset) < args.rollout_batch_size:
         raise UserError(f"--rollout_batch_size {args.rollout_batch_size} exceeds the {len(dataset)} training prompts")
     steps_per_epoch = len(dataset) // args.rollout_batch_size
@@ -208,6 +212,7 @@ def train(args, base_model_checkpoint_path) -> dict:
     if state:
         distributed.load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        set_peak_learning_rate(optimizer, scheduler, args.learning_rate)  # a changed --learning_rate takes effect
         step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         skipped_total, zero_signal_batches = state["skipped_steps"], state.get("zero_signal_batches", 0)
         policy_version = sampler_version = state["policy_version"]
@@ -218,6 +223,8 @@ def train(args, base_model_checkpoint_path) -> dict:
     single_step_per_batch = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.total_rollouts
     rank_args = per_rank_args(args, ranks)  # this rank's share of the batch sizes
     eval_metrics = {}
+    run = run_record(args, file_fingerprint(split_path(args.data_dir, "train")))
+    stop = stop or StopOnSignal()  # main() installs it: SIGINT / SIGTERM finish the step, save, exit
     while step < total_steps:
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
         loader = DataLoader(dataset, batch_size=args.rollout_batch_size, sampler=order[batch_in_epoch * args.rollout_batch_size :], drop_last=True)
@@ -308,14 +315,20 @@ def train(args, base_model_checkpoint_path) -> dict:
             if ranks.is_main:
                 _log_step(writer, args, step, total_steps, reward_meta, totals, timings, generated_tokens, args.total_rollouts, skipped_total, zero_signal_batches, scheduler)
 
-            if args.save_state_every and step % args.save_state_every == 0:
+            stopping = ranks.any_true(stop.received is not None)
+            if args.save_state_every and (step % args.save_state_every == 0 or stopping):
                 counters = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "skipped_steps": skipped_total,
                             "zero_signal_batches": zero_signal_batches, "policy_version": policy_version, "world_size": ranks.world_size}
                 model_state, optimizer_state = ranks.full_state_dict_on_main(model), ranks.optimizer_state_on_main(model, optimizer)
                 if ranks.is_main:
-                    save_training_state(args.state_dir, model, tokenizer, model_state, optimizer_state, scheduler, counters)
+                    save_training_state(args.state_dir, model, tokenizer, model_state, optimizer_state, scheduler, counters, run)
                     print(f"saved training state at step {step} to {args.state_dir}", flush=True)
                 ranks.barrier()
+            if stopping:
+                writer.close()
+                saved = (f"the training state of step {step} is in {args.state_dir}; continue with:\n  {resume_command(None)}"
+                         if args.save_state_every else f"no training state was saved (--save_state_every 0), so a rerun starts over")
+                raise RunStopped(f"stopped by {stop.name or 'a signal on another rank'} after step {step}: {saved}", stop.exit_code if stop.received else 143)
             if step >= total_steps:
                 break
         if batch_in_epoch == steps_per_epoch:
@@ -334,12 +347,34 @@ def train(args, base_model_checkpoint_path) -> dict:
         run_dir = Path(args.log_dir) / args.run_name
         write_jsonl(run_dir / "final_eval_samples.jsonl", eval_metrics.get("samples", []))
         write_json(run_dir / "final_eval_metrics.json", {**{k: v for k, v in eval_metrics.items() if k != "samples"}, "step": step, "skipped_steps": skipped_total})
-        remove_training_state(args.state_dir)  # finished: the final checkpoint is the result
+        remove_output(args.state_dir)  # finished: the final checkpoint is the result
     eval_metrics.pop("samples", None)
     writer.close()
     engine.close()
     ranks.close()
     return eval_metrics
+
+
+def _trim_steps_log(steps_log: Path, last_step: int, say) -> None:
+    """Keep the steps.jsonl lines up to `last_step` (they are not run again); a fresh run starts empty.
+
+    A line cut short by a crash (no valid JSON) is dropped with a note, not an error.
+    """
+    if not last_step:
+        steps_log.unlink(missing_ok=True)
+        return
+    if not steps_log.exists():
+        return
+    kept, torn = [], 0
+    for line in steps_log.read_text(errors="replace").splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            torn += 1
+    if torn:
+        say(f"note: dropped {torn} unreadable line(s) of {steps_log} (a crash cut them short)")
+    steps_log.write_text("".join(line + "\n" for line in kept))
 
 
 def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, generated_tokens, n_rollouts, skipped_total, zero_signal_batches, scheduler):
@@ -419,15 +454,23 @@ def main(argv=None) -> dict:
     args = parse_rl_args(argv)
     sft_args = build_sft_parser().parse_args([])  # the seed parses both; RL starts where SFT saved
     base_model_checkpoint_path = args.sft_checkpoint_path or sft_args.checkpoint_path
-    recover_checkpoint(args.checkpoint_path)
-    resumable = args.resume and has_training_state(args.state_dir)
-    if has_weights(args.checkpoint_path) and not resumable:
-        # the seed's rule; a finished run removes its training state, so only an
-        # interrupted run (with --resume) trains past an existing checkpoint
-        if has_training_state(args.state_dir):
-            print(f"note: {args.state_dir} holds an unfinished run; pass --resume to continue it")
+    run_dir = Path(args.log_dir) / args.run_name
+    for path in (args.checkpoint_path, args.state_dir):
+        recover_checkpoint(path)
+    writes = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 alone writes
+    if has_training_state(args.state_dir) and not args.resume:
+        # never discard an unfinished run without a word: hours of GPU time may be in it
+        then = f"evaluate {args.checkpoint_path}" if has_weights(args.checkpoint_path) else "start over from the SFT checkpoint"
+        raise UserError(f"{args.state_dir} holds the training state of an unfinished run (step {state_step(args.state_dir)}); "
+                        f"pass --resume to continue it, or remove {args.state_dir} to {then}")
+    if has_weights(args.checkpoint_path) and not has_training_state(args.state_dir):
+        # the seed's rule: an existing RL checkpoint is evaluated, never retrained (a finished
+        # run removes its training state, so only an interrupted one trains past a checkpoint)
         check_checkpoint(args.checkpoint_path, "--checkpoint_path", "remove it to train again")
-        return evaluate_only(args)
+        check_saved_model(args.checkpoint_path, f"the checkpoint cannot be evaluated; remove {args.checkpoint_path} to train again")
+        check_writable(run_dir, "--log_dir")
+        with OutputLock([(run_dir, "--log_dir/--run_name")] if writes else []):
+            return evaluate_only(args)
     check_checkpoint(base_model_checkpoint_path, "--sft_checkpoint_path", "run `python -m alignment.train_sft` first or pass --sft_checkpoint_path")
     if not Path(base_model_checkpoint_path).is_dir():
         raise UserError(f"--sft_checkpoint_path {base_model_checkpoint_path} must be a local folder (train_rl reads its config and loads it into vLLM)")
@@ -435,7 +478,19 @@ def main(argv=None) -> dict:
     for flag in ("sampling_max_tokens", "eval_max_tokens"):
         if context and getattr(args, flag) >= context:
             raise UserError(f"--{flag} {getattr(args, flag)} leaves no room for the prompt in the model's {context}-token context; lower it")
-    return train(args, base_model_checkpoint_path)
+    # every output is ours (or new) and writable, before anything loads (checkpoint.py)
+    outputs = [(args.checkpoint_path, "--checkpoint_path"), (args.state_dir, "--state_dir")]
+    if args.eval_engine == "fresh":
+        outputs.append((args.tmp_checkpoint_path, "--tmp_checkpoint_path"))
+    for path, flag in outputs:
+        check_output_path(path, flag)
+    check_writable(run_dir, "--log_dir")
+    if args.resume and has_training_state(args.state_dir):
+        changed = check_resume_flags(read_manifest(args.state_dir).get("run", {}), args, file_fingerprint(split_path(args.data_dir, "train")))
+        for line in changed:
+            print(f"resume: {line} takes effect")
+    with OutputLock([*outputs, (run_dir, "--log_dir/--run_name")] if writes else []), StopOnSignal() as stop:
+        return train(args, base_model_checkpoint_path, stop)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,12 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from alignment.args import check_checkpoint, parse_sft_args
-from alignment.checkpoint import save_model_atomically
+from alignment.checkpoint import OutputLock, check_output_path, check_writable, save_model_atomically
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
-from alignment.errors import UserError, run_cli
+from alignment.errors import RunStopped, UserError, run_cli
+from alignment.interrupts import StopOnSignal
 from alignment.evaluate import evaluate_math
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.precision import autocast, master_dtype
@@ -46,7 +47,7 @@ def evaluate_sft(model, tokenizer, args, writer, step) -> dict:
     return metrics
 
 
-def train(args) -> dict:
+def train(args, stop: StopOnSignal | None = None) -> dict:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)  # compute dtype
     random.seed(args.seed)
@@ -72,6 +73,7 @@ def train(args) -> dict:
     optimizer = build_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = build_scheduler(optimizer, args.warmup_steps, total_steps, args.lr_schedule)
     order_rng = random.Random(args.seed)
+    stop = stop or StopOnSignal()
     step, metrics = 0, {}
     progress = tqdm(total=total_steps, desc="sft", unit="step", dynamic_ncols=True)
     for epoch in range(args.num_epochs):
@@ -118,6 +120,10 @@ def train(args) -> dict:
                 )
             if args.eval_every and step % args.eval_every == 0 and step < total_steps:
                 evaluate_sft(model, tokenizer, args, writer, step)
+            if stop.received is not None:
+                writer.close()
+                raise RunStopped(f"stopped by {stop.name} after SFT step {step}: SFT keeps no resumable state and nothing was written to "
+                                 f"{args.checkpoint_path}; rerun the same command to train again", stop.exit_code)
     progress.close()
     metrics = evaluate_sft(model, tokenizer, args, writer, step)
     save_model_atomically(model, tokenizer, args.checkpoint_path)
@@ -130,7 +136,11 @@ def train(args) -> dict:
 def main(argv=None) -> dict:
     args = parse_sft_args(argv)
     check_checkpoint(args.model, "--model", "pass a local checkpoint folder or a hub id such as Qwen/Qwen2.5-Math-1.5B")
-    return train(args)
+    check_output_path(args.checkpoint_path, "--checkpoint_path")  # ours, empty or new; writable
+    run_dir = f"{args.log_dir}/{args.run_name}"
+    check_writable(run_dir, "--log_dir")
+    with OutputLock([(args.checkpoint_path, "--checkpoint_path"), (run_dir, "--log_dir/--run_name")]), StopOnSignal() as stop:
+        return train(args, stop)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def pipeline(tmp_path_factory):
 
 def rl_flags(pipeline, name, *extra):
     return [
-        "--sft_checkpoint_path", str(pipeline.sft), "--checkpoint_path", str(pipeline.root / name / "rl"),
+        "--sft_checkpoint_path", str(pipeline.sft), "--checkpoint_path", str(pipeline.root / name / "rl"), "--tmp_checkpoint_path", str(pipeline.root / name / "rl_tmp"),
         "--data_dir", str(pipeline.data), "--log_dir", str(pipeline.root / "runs"), "--run_name", name,
         "--layout", "auto", "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "4",
         "--sampling_max_tokens", "24", "--eval_max_tokens", "24", "--eval_num_examples", "8",
