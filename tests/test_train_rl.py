@@ -144,3 +144,27 @@ def test_non_finite_gradient_skips_the_step(pipeline):
     totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu")
     assert totals["skipped_steps"] == 1 and totals["optimizer_steps"] == 0
     assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
+
+
+def test_each_rollout_batch_gets_its_own_shuffle(pipeline):
+    """With several optimizer steps per batch, the rows of each step come from a per-step order."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pipeline.sft)
+    prompts = [f"User: Ava has {i} apples.\nAssistant: <think>" for i in range(8)]
+    batch = {**tokenize_rollouts(prompts, [f" {i} </answer>" for i in range(8)], tokenizer),
+             "raw_rewards": torch.zeros(8), "advantages": torch.linspace(-1, 1, 8)}
+    batch["lengths"] = sequence_lengths(batch["response_mask"])
+    args = SimpleNamespace(
+        seed=0, epochs_per_rollout_batch=2, train_batch_size=2, train_mini_batch_size=2, gradient_accumulation_steps=1,
+        loss_type="reinforce_with_baseline", old_policy="rollout", cliprange=0.2, cliprange_high=0.2,
+        length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=0, max_grad_norm=1e9, scoring_temperature=1.0,
+    )
+    finals = []
+    for step in (1, 1, 2):
+        model = AutoModelForCausalLM.from_pretrained(pipeline.sft, dtype=torch.float32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu", step=step)
+        finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(finals[0], finals[1])  # same step, same order: reproducible
+    assert not torch.allclose(finals[0], finals[2])  # another step, another order
