@@ -36,12 +36,17 @@ Safety, because the grader reads untrusted model text:
 - no model text is evaluated as Python. We only use math-verify's LaTeX path (antlr
   grammar -> sympy objects). Its `ExprExtractionConfig` calls sympy's `parse_expr`,
   which is `eval`, so it is never used;
-- bounded time: symbolic work runs under a SIGALRM interval timer (0.4 s per call)
-  in the main thread of any process, pool workers included; in other threads signals
-  are unavailable, so there the caps below are the only bound. The first symbolic
-  call in a process also pays a one-off ~0.5 s warm-up outside the limit (pool
-  workers warm up when they start). The limit is wall-clock, so on a CPU starved by
-  other work a slow but correct comparison can time out and count as wrong;
+- bounded time, from any thread: symbolic work runs under a SIGALRM interval timer
+  (0.4 s per call). That only works in a process's main thread while no other
+  ITIMER_REAL is armed; there the work runs in-process, and the first symbolic call
+  pays a one-off ~0.5 s warm-up outside the limit. Otherwise (a thread, or a caller's
+  own timer armed, which we leave alone) it runs in a small persistent pool of spawn
+  worker processes, each bounded by its own alarm, and the caller waits at most 0.7 s
+  for the verdict: a later one, or a dead worker, counts as wrong. The first such call
+  in a process starts the workers (spawn + importing sympy: several seconds, once);
+  threads beyond the worker count wait their turn. The limit is wall-clock, so on a
+  CPU starved by other work a slow but correct comparison can time out and count as
+  wrong;
 - an alarm only stops Python bytecode, not one huge C-level integer power, so answers
   that could build enormous numbers (`10^{10^{10}}`, `(10^{99})^{99}`, `100000!`,
   `\\sum`) are graded by string match only, as are answers longer than
@@ -77,6 +82,9 @@ MAX_POWER_DIGITS = 20_000  # bound on digits an integer power in the answer may 
 STRICT_FLOAT_DECIMALS = 10  # verify(float_rounding=...) for fast=True
 LENIENT_FLOAT_DECIMALS = 6  # math-verify's default, for fast=False
 POOL_MIN_BATCH = 256  # smaller batches grade serially: a pool round trip costs more
+MAX_SYMBOLIC_WORKERS = 4  # worker processes for symbolic work of callers that cannot use the alarm
+WORKER_OVERHEAD_S = 0.3  # a worker's verdict may come this long after SYMBOLIC_TIME_LIMIT_S; later is wrong
+WORKER_START_TIMEOUT_S = 120  # for spawning the workers and importing sympy; slower is wrong, retried next call
 
 CORRECT = {"format_reward": 1.0, "answer_reward": 1.0, "reward": 1.0}
 # Reward stays 0 for a wrong answer even when formatted: no format reward, to avoid reward hacking.
@@ -405,6 +413,15 @@ def _symbolic_match(answer: str, truths: list[str], fast: bool) -> bool:
     return False
 
 
+def _bounded_symbolic_match(answer: str, truths: list[str], fast: bool) -> bool:
+    """`_symbolic_match` under the alarm, in the main thread of this process or of a worker."""
+    _warm_up()
+    try:
+        return _call_with_time_limit(SYMBOLIC_TIME_LIMIT_S, _symbolic_match, answer, truths, fast)
+    except _GradingTimeout:
+        return False  # a timeout counts as wrong
+
+
 def _is_correct(response: str, ground_truth, fast: bool) -> bool:
     answer = _model_answer(response)
     if answer is None:
@@ -418,11 +435,9 @@ def _is_correct(response: str, ground_truth, fast: bool) -> bool:
             undecided.append(truth)
     if not undecided:
         return False
-    _warm_up()
-    try:
-        return _call_with_time_limit(SYMBOLIC_TIME_LIMIT_S, _symbolic_match, answer, undecided, fast)
-    except _GradingTimeout:
-        return False  # a timeout counts as wrong
+    if _can_use_alarm():
+        return _bounded_symbolic_match(answer, undecided, fast)
+    return _symbolic_match_in_worker(answer, undecided, fast)
 
 
 def r1_zero_reward_fn(response: str, ground_truth, fast: bool = True) -> dict[str, float]:
@@ -430,7 +445,9 @@ def r1_zero_reward_fn(response: str, ground_truth, fast: bool = True) -> dict[st
 
     `ground_truth` is a str, int, float, or a list of them (correct if any matches).
     `fast=True` is what training uses; `fast=False` adds a lenient pass for evaluation.
-    Never raises and returns within about SYMBOLIC_TIME_LIMIT_S (see the module docstring).
+    Never raises and returns within about SYMBOLIC_TIME_LIMIT_S, from any thread (see the
+    module docstring). Off the main thread, or with another interval timer armed, the first
+    call that needs sympy also waits once for the grading workers to start (seconds).
     """
     if not isinstance(response, str) or FORMAT_MARKER not in response or ANSWER_CLOSE not in response:
         return dict(UNFORMATTED)
@@ -440,6 +457,68 @@ def r1_zero_reward_fn(response: str, ground_truth, fast: bool = True) -> dict[st
         logger.debug("grading failed; counted as wrong", exc_info=True)
         correct = False
     return dict(CORRECT if correct else FORMATTED_WRONG)
+
+
+# ---------------------------------------------------------------- worker processes
+
+
+def _init_worker(ready=None) -> None:
+    # Ctrl-C reaches the whole process group: the parent handles it and stops the workers,
+    # which would otherwise each die with a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _warm_up()
+    if ready is not None:
+        ready.release()
+
+
+_symbolic_pool = None  # multiprocessing.Pool for `_symbolic_match_in_worker`
+_symbolic_slots = None  # one per worker, so that no task waits in the pool's queue while its deadline runs
+_symbolic_pool_lock = threading.Lock()
+
+
+def _forget_symbolic_pool() -> None:
+    # A forked child gets the pool object but none of its threads, and maybe our lock held.
+    global _symbolic_pool, _symbolic_slots, _symbolic_pool_lock
+    _symbolic_pool, _symbolic_slots, _symbolic_pool_lock = None, None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_symbolic_pool)
+
+
+def _get_symbolic_pool():
+    """(pool, slots), started on first use; returns once every worker has imported sympy and warmed up.
+
+    A multiprocessing.Pool, not a ProcessPoolExecutor: it starts all workers at once (so
+    none starts later while a caller's short deadline runs) and replaces a worker that dies.
+    """
+    global _symbolic_pool, _symbolic_slots
+    with _symbolic_pool_lock:
+        if _symbolic_pool is None:
+            workers = min(_available_cpus(), MAX_SYMBOLIC_WORKERS)
+            context = multiprocessing.get_context("spawn")  # not fork: see _get_pool
+            ready = context.Semaphore(0)
+            pool = context.Pool(workers, initializer=_init_worker, initargs=(ready,))
+            deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+            if not all(ready.acquire(timeout=max(0.0, deadline - time.monotonic())) for _ in range(workers)):
+                pool.terminate()
+                raise TimeoutError("grading workers did not start")
+            _symbolic_pool, _symbolic_slots = pool, threading.BoundedSemaphore(workers)
+        return _symbolic_pool, _symbolic_slots
+
+
+def _symbolic_match_in_worker(answer: str, truths: list[str], fast: bool) -> bool:
+    """`_bounded_symbolic_match` in a worker's main thread, where the alarm works; for callers where it does not.
+
+    A verdict later than SYMBOLIC_TIME_LIMIT_S + WORKER_OVERHEAD_S counts as wrong. The
+    worker is not killed: its own alarm frees it, and killing it would cost a restart.
+    """
+    pool, slots = _get_symbolic_pool()
+    with slots:
+        pending = pool.apply_async(_bounded_symbolic_match, (answer, truths, fast))
+        try:
+            return pending.get(timeout=SYMBOLIC_TIME_LIMIT_S + WORKER_OVERHEAD_S)
+        except multiprocessing.TimeoutError:  # also what a worker that died mid-task looks like
+            return False
 
 
 # ---------------------------------------------------------------- batches
@@ -467,7 +546,7 @@ def _get_pool(num_workers: int) -> ProcessPoolExecutor:
         _shutdown_pool()
         # spawn, not fork: forking a process that holds torch/CUDA threads can deadlock.
         _pool = ProcessPoolExecutor(
-            max_workers=num_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_warm_up
+            max_workers=num_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
         )
         _pool_key = (num_workers, os.getpid())
     return _pool

@@ -398,3 +398,73 @@ def test_python_code_in_answers_is_never_executed(tmp_path):
         assert r1_zero_reward_fn(respond(payload), "0", fast=False) in LEGAL_REWARDS
         assert r1_zero_reward_fn(respond("0"), payload, fast=False) in LEGAL_REWARDS
     assert not target.exists()
+
+
+# ---------------------------------------------------------------- off the main thread
+
+# Passes the size guard, so only the time limit stops it: minutes of sympy without one.
+SLOW_SYMBOLIC = respond("\\Gamma(10^{9})")
+
+
+def grade_in_thread(response: str, truth) -> tuple[dict | None, float]:
+    """(reward, seconds) for one call made from a fresh thread; reward None if it took over 30 s."""
+    result = []
+    worker = threading.Thread(target=lambda: result.append(r1_zero_reward_fn(response, truth)), daemon=True)
+    start = time.perf_counter()
+    worker.start()
+    worker.join(timeout=30)  # the first call starts the workers: seconds
+    return (result[0] if result else None), time.perf_counter() - start
+
+
+def test_time_limit_holds_in_a_thread():
+    assert grade_in_thread(respond("\\frac{1}{2}"), "0.5")[0] == CORRECT  # also starts the workers (seconds)
+    reward, elapsed = grade_in_thread(SLOW_SYMBOLIC, "18")
+    assert reward == FORMATTED_WRONG and elapsed < 1.0, f"{reward} after {elapsed:.2f} s"
+    assert grade_in_thread(respond("\\frac{1}{3}"), "0.5")[0] == FORMATTED_WRONG
+
+
+def test_time_limit_holds_under_another_interval_timer():
+    alarms = []
+
+    def user_handler(signum, frame):
+        alarms.append(signum)
+
+    previous = signal.signal(signal.SIGALRM, user_handler)
+    signal.setitimer(signal.ITIMER_REAL, 100)  # e.g. a training-loop watchdog
+    try:
+        assert r1_zero_reward_fn(respond("\\frac{1}{2}"), "0.5") == CORRECT  # also starts the workers
+        start = time.perf_counter()
+        assert r1_zero_reward_fn(SLOW_SYMBOLIC, "18") == FORMATTED_WRONG
+        assert time.perf_counter() - start < 1.0
+        remaining, interval = signal.getitimer(signal.ITIMER_REAL)
+        assert 50 < remaining < 100 and interval == 0.0  # still counting down, as the user set it
+        assert signal.getsignal(signal.SIGALRM) is user_handler and alarms == []
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_concurrent_threads_each_get_their_own_result():
+    cases = [
+        (respond("\\frac{1}{2}"), "0.5", CORRECT),
+        (respond("\\frac{1}{3}"), "0.5", FORMATTED_WRONG),
+        (respond("(x+1)^2"), "x^2+2x+1", CORRECT),
+        (respond("2x+1"), "(x+1)^2", FORMATTED_WRONG),
+        (respond("\\sqrt{2}"), "2^{1/2}", CORRECT),
+        (respond("(2,1)"), "(1,2)", FORMATTED_WRONG),
+        (SLOW_SYMBOLIC, "18", FORMATTED_WRONG),  # holds a worker for the full limit meanwhile
+        (SLOW_SYMBOLIC, "\\Gamma(10^{9})", CORRECT),  # decided by string match, no worker
+    ]
+    start_together = threading.Barrier(len(cases))
+    results = [None] * len(cases)
+
+    def grade(index, response, truth):
+        start_together.wait()
+        results[index] = r1_zero_reward_fn(response, truth)
+
+    threads = [threading.Thread(target=grade, args=(i, r, t), daemon=True) for i, (r, t, _) in enumerate(cases)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert results == [expected for _, _, expected in cases]
