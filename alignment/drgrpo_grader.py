@@ -18,11 +18,13 @@ The contract is the one of the Dr. GRPO (understand-r1-zero) grader:
 Equivalence is decided cheapest first:
 
 1. normalised string match (whitespace, `$`, `\\dfrac`, `\\left`, `\\!` removed);
-2. plain numbers (`1,080`, `$18`, `18.00`, `-5`, `18.`): exact decimal comparison,
-   decisive when both sides are plain numbers. Nearly every GSM8K answer ends here;
+2. plain numbers (`1,080`, `$18`, `18.00`, `-5`, `18.`, `25\\%`): exact decimal comparison,
+   decisive when both sides are plain numbers. Nearly every GSM8K answer ends here. A
+   percent sign is the number's unit: `25\\%` = 25, and `1800\\%` is not 18 (math-verify
+   would divide by 100; for a GSM8K "what percentage" problem that is a wrong answer);
 3. math-verify, with each side parsed as ONE LaTeX expression (wrapped in `\\boxed{}`
    with no anchor search), so `The answer is 18.` is a sentence, not `18`. This covers
-   `\\frac{1}{2}` = `0.5` = `1/2`, `\\sqrt{2}`, `x=3` = `3`, `50\\%`, `30^\\circ`,
+   `\\frac{1}{2}` = `0.5` = `1/2`, `\\sqrt{2}`, `x=3` = `3`, `30^\\circ`,
    `\\text{(A)}` = `A`, tuples, intervals, sets and `\\pi`. Decimals must match to
    10 places, so `1.414` and `1.414214` are not `\\sqrt{2}` and `0.333333` is not 1/3.
 
@@ -360,6 +362,20 @@ def _leniently_equal(answer: str, truth: str) -> bool:
 # ---------------------------------------------------------------- grading
 
 
+def _without_percent(text: str) -> str:
+    """`'50\\%'` -> `'50'`: a percent sign after a number is its unit, not a division by 100.
+
+    GSM8K's "what percentage ...?" problems have the bare number as ground truth, so
+    `25\\%` must match 25; math-verify would also accept `1800\\%` for 18 (1800/100),
+    which for a grade-school word problem is a wrong answer (the Dr. GRPO grader's
+    verdict too). Decided here, with plain numbers, before math-verify sees it.
+    """
+    for sign in ("\\%", "%"):
+        if text.endswith(sign):
+            return text[: -len(sign)]
+    return text
+
+
 def _cheap_verdict(answer: str, truth: str) -> bool | None:
     """True/False when string or plain-number comparison decides, None when sympy must."""
     answer_text, truth_text = _normalise_string(answer), _normalise_string(truth)
@@ -367,7 +383,7 @@ def _cheap_verdict(answer: str, truth: str) -> bool | None:
         return False
     if answer_text == truth_text:
         return True
-    answer_number, truth_number = _plain_number(answer_text), _plain_number(truth_text)
+    answer_number, truth_number = _plain_number(_without_percent(answer_text)), _plain_number(_without_percent(truth_text))
     if answer_number is not None and truth_number is not None:
         return answer_number == truth_number
     if len(answer) > MAX_SYMBOLIC_CHARS or len(truth) > MAX_SYMBOLIC_CHARS:

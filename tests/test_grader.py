@@ -113,6 +113,8 @@ EQUIVALENT = [
     ("3", "x = 3"),
     ("50\\%", "50"),
     ("50", "50\\%"),
+    ("25%", "25"),  # GSM8K "what percentage" answers: the sign is the unit
+    ("12.5\\%", "12.5"),
     ("30^\\circ", "30"),
     ("30", "30^{\\circ}"),
     ("\\text{(A)}", "A"),
@@ -147,6 +149,9 @@ NOT_EQUIVALENT = [
     ("x=4", "3"),
     ("2x+1", "(x+1)^2"),
     ("9**9**9**9", "18"),
+    ("1800\\%", "18"),  # a percent sign is a unit, not / 100 (math-verify alone says equal)
+    ("0.25", "25\\%"),
+    ("18\\%", "0.18"),
 ]
 
 
@@ -158,6 +163,12 @@ def test_equivalent_answers_score_one(answer, truth):
 @pytest.mark.parametrize("answer, truth", NOT_EQUIVALENT)
 def test_different_answers_score_format_only(answer, truth):
     assert r1_zero_reward_fn(respond(answer), truth) == FORMATTED_WRONG
+
+
+def test_percent_is_a_unit_in_evaluation_too():
+    """The lenient evaluation pass must not bring math-verify's / 100 back."""
+    assert r1_zero_reward_fn(respond("1800\\%"), "18", fast=False) == FORMATTED_WRONG
+    assert r1_zero_reward_fn(respond("25\\%"), "25", fast=False) == CORRECT
 
 
 GROUND_TRUTH_TYPES = [
