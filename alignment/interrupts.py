@@ -42,11 +42,12 @@ class StopOnSignal:
 
     @property
     def exit_code(self) -> int:
-        return 128 + int(self.received)
+        """The shell's code for the signal received (under torchrun another rank may have got it: SIGTERM's)."""
+        return 128 + int(self.received or signal.SIGTERM)
 
     @property
     def name(self) -> str:
-        return signal.Signals(self.received).name
+        return signal.Signals(self.received).name if self.received else "a signal to another rank"
 
 
 def resume_command(argv: list[str] | None, module: str = "alignment.train_rl") -> str:

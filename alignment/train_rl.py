@@ -215,16 +215,17 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
     optimizer_steps_total = total_steps * args.epochs_per_rollout_batch * (args.total_rollouts // args.train_batch_size)
     scheduler = build_scheduler(optimizer, args.warmup_steps, optimizer_steps_total)
 
-    step, epoch, batch_in_epoch, skipped_in_a_row, skipped_total, zero_signal_batches = 0, 0, 0, 0, 0, 0
-    policy_version, sampler_version = 0, 0
+    # the loop's state, saved as is (counters.json) and restored as is: step counts rollout
+    # batches, batch_in_epoch fixes the data position, policy_version counts the rollout
+    # steps that changed the weights (the sampler syncs when it lags behind it)
+    progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "skipped_steps": 0, "zero_signal_batches": 0, "policy_version": 0, "world_size": ranks.world_size}
     if state:
         distributed.load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_peak_learning_rate(optimizer, scheduler, args.learning_rate)  # a changed --learning_rate takes effect
-        step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-        skipped_total, zero_signal_batches = state["skipped_steps"], state.get("zero_signal_batches", 0)
-        policy_version = sampler_version = state["policy_version"]
-        say(f"resumed from {args.state_dir} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
+        progress.update({key: state[key] for key in progress if key != "world_size"})
+        say(f"resumed from {args.state_dir} at step {progress['step']} (epoch {progress['epoch']}, batch {progress['batch_in_epoch']})")
+    sampler_version, skipped_in_a_row = progress["policy_version"], 0  # the sampler starts from the resumed weights
 
     # the sampler also returns its log-probs of the sampled ids, to log how far it is from the trainer
     rollout_sampling = replace(SamplingSettings.from_args(args, "sampling_"), log_probs_every=args.sampler_logprobs_every if args.rollout_tokens == "ids" else 0)
@@ -233,12 +234,13 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
     eval_metrics = {}
     run = run_record(args, file_fingerprint(split_path(args.data_dir, "train")))
     stop = stop or StopOnSignal()  # main() installs it: SIGINT / SIGTERM finish the step, save, exit
-    while step < total_steps:
-        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
-        loader = DataLoader(dataset, batch_size=args.rollout_batch_size, sampler=order[batch_in_epoch * args.rollout_batch_size :], drop_last=True)
+    while progress["step"] < total_steps:
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + progress["epoch"])).tolist()
+        loader = DataLoader(dataset, batch_size=args.rollout_batch_size, sampler=order[progress["batch_in_epoch"] * args.rollout_batch_size :], drop_last=True)
         for prompts, _sft_completions, ground_truths in loader:  # completions are unused in RL (seed)
-            step += 1
-            batch_in_epoch += 1
+            progress["step"] += 1
+            progress["batch_in_epoch"] += 1
+            step = progress["step"]
             timings = {}
             step_started = time.perf_counter()
             # under torchrun each rank takes whole prompts, so every group stays on one rank
@@ -246,9 +248,9 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
 
             # 1. rollouts follow the policy: copy weights in when the sampler lags
             started = time.perf_counter()
-            if args.rollout_sync_every and policy_version - sampler_version >= args.rollout_sync_every:
+            if args.rollout_sync_every and progress["policy_version"] - sampler_version >= args.rollout_sync_every:
                 engine.load_weights(ranks.full_weights(model))
-                sampler_version = policy_version
+                sampler_version = progress["policy_version"]
             timings["sync"] = time.perf_counter() - started
 
             # 2. sample group_size responses per prompt
@@ -297,12 +299,12 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
                 totals = reduce_totals(update_policy(model, optimizer, scheduler, batch, rank_args, main_device, compute_dtype=dtype, ranks=ranks, step=step), ranks)
             else:
                 totals = empty_totals()
-                zero_signal_batches += 1
+                progress["zero_signal_batches"] += 1
                 say(f"step {step}: every group has equal rewards, no learning signal; update skipped", flush=True)
             timings["update"] = time.perf_counter() - started
             if totals["optimizer_steps"]:
-                policy_version += 1
-            skipped_total += totals["skipped_steps"]
+                progress["policy_version"] += 1
+            progress["skipped_steps"] += totals["skipped_steps"]
             skipped_in_a_row = skipped_in_a_row + 1 if totals["skipped_steps"] and not totals["optimizer_steps"] else 0
             if skipped_in_a_row >= args.max_skipped_steps:
                 raise UserError(
@@ -316,45 +318,44 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
                 started = time.perf_counter()
                 eval_metrics, synced = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, ranks, sampler_start)
                 if synced:
-                    sampler_version = policy_version
+                    sampler_version = progress["policy_version"]
                 timings["eval"] = time.perf_counter() - started
 
             timings["step"] = time.perf_counter() - step_started
             if ranks.is_main:
-                _log_step(writer, args, step, total_steps, reward_meta, totals, timings, generated_tokens, args.total_rollouts, skipped_total, zero_signal_batches, scheduler)
+                _log_step(writer, args, progress, total_steps, reward_meta, totals, timings, generated_tokens, scheduler.get_last_lr()[0])
 
             stopping = ranks.any_true(stop.received is not None)
             if args.save_state_every and (step % args.save_state_every == 0 or stopping):
-                counters = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "skipped_steps": skipped_total,
-                            "zero_signal_batches": zero_signal_batches, "policy_version": policy_version, "world_size": ranks.world_size}
                 model_state, optimizer_state = ranks.full_state_dict_on_main(model), ranks.optimizer_state_on_main(model, optimizer)
                 if ranks.is_main:
-                    save_training_state(args.state_dir, model, tokenizer, model_state, optimizer_state, scheduler, counters, run)
+                    save_training_state(args.state_dir, model, tokenizer, model_state, optimizer_state, scheduler, progress, run)
                     print(f"saved training state at step {step} to {args.state_dir}", flush=True)
                 ranks.barrier()
             if stopping:
                 writer.close()
                 saved = (f"the training state of step {step} is in {args.state_dir}; continue with:\n  {resume_command(None)}"
-                         if args.save_state_every else f"no training state was saved (--save_state_every 0), so a rerun starts over")
-                raise RunStopped(f"stopped by {stop.name or 'a signal on another rank'} after step {step}: {saved}", stop.exit_code if stop.received else 143)
+                         if args.save_state_every else "no training state was saved (--save_state_every 0), so a rerun starts over")
+                raise RunStopped(f"stopped by {stop.name} after step {step}: {saved}", stop.exit_code)
             if step >= total_steps:
                 break
-        if batch_in_epoch == steps_per_epoch:
+        if progress["batch_in_epoch"] == steps_per_epoch:
             # a full pass over the data: save the policy (seed), start the next epoch
             save_policy(ranks, model, tokenizer, args.checkpoint_path)
-            say(f"epoch {epoch} done: saved policy to {args.checkpoint_path}")
-            epoch += 1
-            batch_in_epoch = 0
+            say(f"epoch {progress['epoch']} done: saved policy to {args.checkpoint_path}")
+            progress["epoch"] += 1
+            progress["batch_in_epoch"] = 0
 
+    step = progress["step"]
     if not (args.evaluate_freq and step % args.evaluate_freq == 0):
         eval_metrics, _ = evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, ranks, sampler_start)
-    if batch_in_epoch:  # stopped mid-epoch (--max_steps): save what we have
+    if progress["batch_in_epoch"]:  # stopped mid-epoch (--max_steps): save what we have
         save_policy(ranks, model, tokenizer, args.checkpoint_path)
         say(f"saved RL checkpoint to {args.checkpoint_path}")
     if ranks.is_main:
         run_dir = Path(args.log_dir) / args.run_name
         write_jsonl(run_dir / "final_eval_samples.jsonl", eval_metrics.get("samples", []))
-        write_json(run_dir / "final_eval_metrics.json", {**{k: v for k, v in eval_metrics.items() if k != "samples"}, "step": step, "skipped_steps": skipped_total})
+        write_json(run_dir / "final_eval_metrics.json", {**{k: v for k, v in eval_metrics.items() if k != "samples"}, "step": step, "skipped_steps": progress["skipped_steps"]})
         remove_output(args.state_dir)  # finished: the final checkpoint is the result
     eval_metrics.pop("samples", None)
     writer.close()
@@ -385,7 +386,9 @@ def _trim_steps_log(steps_log: Path, last_step: int, say) -> None:
     steps_log.write_text("".join(line + "\n" for line in kept))
 
 
-def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, generated_tokens, n_rollouts, skipped_total, zero_signal_batches, scheduler):
+def _log_step(writer, args, progress, total_steps, reward_meta, totals, timings, generated_tokens, learning_rate):
+    """One step's scalars: TensorBoard, a line of steps.jsonl, and every --log_every steps the console."""
+    step = progress["step"]
     nan = float("nan")  # what an update did not measure is n/a (not written to TensorBoard)
     microbatches = totals["microbatches"] or nan
     optimizer_steps = totals["optimizer_steps"] or nan
@@ -406,10 +409,10 @@ def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, gen
         "train/sampler_logprob_abs_diff": totals["sampler_abs_diff"] / (totals["sampler_tokens"] or nan),
         "train/sampler_importance_ratio": totals["sampler_ratio"] / (totals["sampler_tokens"] or nan),
         "train/sampler_importance_ratio_max": totals["sampler_ratio_max"] if totals["sampler_tokens"] else nan,
-        "train/response_length": generated_tokens / n_rollouts,
-        "train/lr": scheduler.get_last_lr()[0],
-        "train/skipped_steps": skipped_total,
-        "train/zero_signal_batches": zero_signal_batches,
+        "train/response_length": generated_tokens / args.total_rollouts,
+        "train/lr": learning_rate,
+        "train/skipped_steps": progress["skipped_steps"],
+        "train/zero_signal_batches": progress["zero_signal_batches"],
         "perf/rollout_tokens_per_s": generated_tokens / max(timings["rollout"], 1e-9),
         "perf/train_tokens_per_s": totals["tokens"] / max(timings["update"], 1e-9),
         "perf/step_seconds": timings["step"],
@@ -429,7 +432,7 @@ def _log_step(writer, args, step, total_steps, reward_meta, totals, timings, gen
             f"answer {scalars['train/answer_reward']:.3f} loss {scalars['train/loss']:+.4f} kl {scalars['train/kl_ref']:.4f} "
             f"clip {scalars['train/clip_fraction']:.3f} sampler_gap {scalars['train/sampler_logprob_abs_diff']:.4f} resp_tokens {scalars['train/response_length']:.0f} "
             f"rollout_tok/s {scalars['perf/rollout_tokens_per_s']:.0f} train_tok/s {scalars['perf/train_tokens_per_s']:.0f} "
-            f"{timings['step']:.1f}s" + (f" skipped {skipped_total}" if skipped_total else ""),
+            f"{timings['step']:.1f}s" + (f" skipped {progress['skipped_steps']}" if progress["skipped_steps"] else ""),
             flush=True,
         )
 

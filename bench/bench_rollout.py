@@ -31,7 +31,10 @@ def vllm_token_log_probs(engine, prompts, max_tokens):
     """Greedy continuation of each prompt with the sampler's log-prob of each token."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=0)
+    # ignore_eos, not min_tokens, for full-length continuations: min_tokens masks the stop
+    # tokens out of the distribution, and the engine returns processed log-probs (after that
+    # mask), which would then differ from the policy's by log(1 - p(eos))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     with engine._on_device():
         outputs = engine.llm.generate(prompts, params, use_tqdm=False)
     result = []
