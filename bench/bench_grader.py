@@ -20,16 +20,13 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from alignment import drgrpo_grader
+from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
 
-from alignment import drgrpo_grader  # noqa: E402
-from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SPLITS = ("train", "test")  # alignment.data's; it imports torch, which spawned workers need not
 

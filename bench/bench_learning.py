@@ -3,7 +3,7 @@
     python bench/bench_learning.py                       # one H200: 5 RL runs side by side on one GPU (~3 minutes)
     python bench/bench_learning.py --device cpu --steps 2 --variants lr1e-5_fp32_master   # smoke
 
-The demo's synthetic task and tiny model (alignment/demo.py), one SFT checkpoint,
+The demo's synthetic task and tiny model (alignment/toy/demo.py), one SFT checkpoint,
 then `python -m alignment.train_rl` with the demo's RL flags, changing only the
 learning rate and the precision, all runs at once on the same GPU (the model is
 tiny; each run's vLLM engine takes a small slice of the memory). Held-out accuracy
@@ -25,8 +25,7 @@ from pathlib import Path
 
 from common import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT))
-from alignment.demo import CONFIG  # noqa: E402
+from alignment.toy.demo import CONFIG
 
 # name -> the flags that differ from the demo's RL flags
 VARIANTS = {
@@ -48,12 +47,12 @@ def main():
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench" / "learning"))
     args = parser.parse_args()
 
-    from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
-    from alignment.tiny_model import build_tiny_checkpoint, r1_zero_template_pieces
+    from alignment.toy.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
+    from alignment.toy.tiny_model import build_tiny_checkpoint, r1_zero_template_pieces
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     started = time.perf_counter()

@@ -50,7 +50,7 @@ def prepare_data(folder: Path) -> Path:
         shutil.copy(source, folder / "train.jsonl")
         shutil.copy(source, folder / "test.jsonl")
     else:  # no GSM8K here: the synthetic task in the same format
-        from alignment.synthetic_task import write_synthetic_gsm8k
+        from alignment.toy.synthetic_task import write_synthetic_gsm8k
 
         write_synthetic_gsm8k(folder, num_train=512, num_test=64)
     return folder
@@ -81,7 +81,7 @@ def main():
         "--layout", "auto", "--rollout_backend", args.backend, "--max_steps", str(args.steps),
         *(TINY_FLAGS if args.tiny else W1_FLAGS), *(["--policy_parallel", "fsdp"] if args.fsdp else []), *args.extra.split(),
     ]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     else:

@@ -9,16 +9,33 @@ r1_zero prompts come out near Qwen's ~150 tokens.
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import torch
+from transformers import Qwen2Config
+
+from alignment.toy.tiny_model import tiny_qwen2_config, train_byte_level_tokenizer
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-import torch  # noqa: E402
 
-from alignment.tiny_model import qwen2_5_math_1_5b_config, tiny_qwen2_config, train_byte_level_tokenizer  # noqa: E402
+def qwen2_5_math_1_5b_config() -> Qwen2Config:
+    """The shape of Qwen2.5-Math-1.5B, for random-init GPU benchmarks (no download)."""
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        pad_token_id=151643,
+    )
 
 
 def gsm8k_questions(data_dir=None, limit=2000) -> list[str]:
@@ -28,7 +45,7 @@ def gsm8k_questions(data_dir=None, limit=2000) -> list[str]:
     for folder in filter(None, [data_dir, REPO_ROOT / "data" / "gsm8k"]):
         if (Path(folder) / "test.jsonl").is_file():
             return [row["question"] for row in load_gsm8k("test", folder)][:limit]
-    from alignment.synthetic_task import make_problem
+    from alignment.toy.synthetic_task import make_problem
     import random
 
     rng = random.Random(0)

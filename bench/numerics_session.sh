@@ -19,5 +19,5 @@ python3 bench/bench_step.py --gpus 1 --steps 6 --extra=--torch_compile --tag fp3
 python3 bench/bench_trl.py --steps 6 --out "$results" > "$results/trl.log" 2>&1
 python3 bench/bench_step.py --gpus 1 --steps 6 --extra="--torch_compile --no-fp32_master_weights" --tag pure_bf16 --out "$results" > "$results/w1_pure_bf16.log" 2>&1
 date > "$results/DONE"
-python3 -m alignment.demo --out /tmp/demo --checkpoints /tmp/demo_ckpt > "$results/demo.log" 2>&1
+python3 -m alignment.toy.demo --out /tmp/demo --checkpoints /tmp/demo_ckpt > "$results/demo.log" 2>&1
 cp /tmp/demo/summary.json "$results/demo_summary.json"

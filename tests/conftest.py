@@ -28,7 +28,7 @@ def gsm8k_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A random 2-layer Qwen2 (hidden 128) with a 512-token byte-level BPE tokenizer."""
-    from alignment.tiny_model import build_tiny_checkpoint
+    from alignment.toy.tiny_model import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
 
@@ -47,8 +47,8 @@ def make_tiny_task(root: Path, num_train: int, num_test: int, seed: int) -> Simp
 
     Returns root, data (the jsonl folder) and sft (the model, used as the SFT checkpoint).
     """
-    from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
-    from alignment.tiny_model import build_tiny_checkpoint
+    from alignment.toy.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
+    from alignment.toy.tiny_model import build_tiny_checkpoint
 
     data = write_synthetic_gsm8k(root / "data", num_train=num_train, num_test=num_test, seed=seed)
     sft = build_tiny_checkpoint(root / "sft", texts=tokenizer_corpus(data), vocab_size=400)

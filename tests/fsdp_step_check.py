@@ -11,17 +11,15 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from alignment import distributed  # noqa: E402
-from alignment.distributed import per_rank_args, rank_slice, reduce_totals  # noqa: E402
-from alignment.grpo import normalize_group_rewards  # noqa: E402
-from alignment.optim import build_scheduler  # noqa: E402
-from alignment.policy_update import sequence_lengths, update_policy  # noqa: E402
-from alignment.rollout import load_hf_model, load_tokenizer  # noqa: E402
-from alignment.sft_helpers import tokenize_rollout_ids  # noqa: E402
+from alignment import distributed
+from alignment.distributed import per_rank_args, rank_slice, reduce_totals
+from alignment.grpo import normalize_group_rewards
+from alignment.optim import build_scheduler
+from alignment.policy_update import sequence_lengths, update_policy
+from alignment.rollout import load_hf_model, load_tokenizer
+from alignment.sft_helpers import tokenize_rollout_ids
 
 model_path, out = sys.argv[1], Path(sys.argv[2])
 launched = "RANK" in __import__("os").environ

@@ -10,7 +10,7 @@ import pytest
 from alignment import evaluate, train_rl, train_sft
 from alignment.args import parse_rl_args
 from alignment.errors import run_cli
-from alignment.synthetic_task import write_synthetic_gsm8k
+from alignment.toy.synthetic_task import write_synthetic_gsm8k
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

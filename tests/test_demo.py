@@ -7,7 +7,7 @@ import pytest
 
 from alignment.data import Gsm8kDataset
 from alignment.drgrpo_grader import r1_zero_reward_fn
-from alignment.synthetic_task import make_problem, write_synthetic_gsm8k
+from alignment.toy.synthetic_task import make_problem, write_synthetic_gsm8k
 
 
 def test_worked_steps_restate_each_clause_and_reach_the_answer():
@@ -45,7 +45,7 @@ def test_bare_answers_only_in_train_and_splits_are_disjoint(tmp_path):
 
 def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path):
     """The real demo (real CLIs in subprocesses, default backend), fewer problems and steps."""
-    from alignment import demo
+    from alignment.toy import demo
 
     summary = demo.main([
         "--out", str(tmp_path / "runs"), "--checkpoints", str(tmp_path / "checkpoints"),
@@ -67,3 +67,4 @@ def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path):
     assert [row["step"] for row in steps] == [1, 2]
     assert (tmp_path / "checkpoints" / "rl" / "config.json").is_file()
     assert list((tmp_path / "runs" / "rl").glob("events.out.tfevents.*"))
+    assert (tmp_path / "runs" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the picture of the RL run

