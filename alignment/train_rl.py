@@ -39,9 +39,12 @@ Where this departs from the seed, each one flag away from the seed's behaviour:
 - additions: --kl_coef (k3 KL to the reference; mean KL is logged either way),
   --length_normalization constant (Dr. GRPO), --cliprange_high (DAPO),
   --epochs_per_rollout_batch / --train_batch_size, --layout auto, resumable
-  training state (--save_state_every, --resume), non-finite steps skipped,
-  batches with no learning signal skipped, --torch_compile, and
-  --policy_parallel fsdp (alignment/distributed.py).
+  training state (--save_state_every, --resume, which checks the run's flags and
+  data), non-finite steps skipped, batches with no learning signal skipped,
+  --torch_compile, and --policy_parallel fsdp (alignment/distributed.py);
+- outputs are owned and locked (checkpoint.py: a user's folder at an output path
+  is refused, one run per path, checksums verified before use), and SIGINT /
+  SIGTERM finish the step, save a state and print the resume command (interrupts.py).
 The update itself (microbatches, clipping, optimizer step) is in policy_update.py;
 the loss math in grpo.py.
 """
