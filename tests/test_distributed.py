@@ -157,7 +157,8 @@ def test_evaluation_under_torchrun_gives_a_frozen_sampler_its_start_weights_back
             parameter.add_(0.05)  # the trained policy differs from the start
     engine = HfEngine(copy.deepcopy(policy), tokenizer)
     args = SimpleNamespace(rollout_backend="hf", eval_engine="sampler", rollout_sync_every=0, eval_temperature=0.0, eval_top_p=1.0,
-                           eval_min_tokens=0, eval_max_tokens=8, repetition_penalty=1.0, num_logged_rollouts=0)
+                           eval_min_tokens=0, eval_max_tokens=8, repetition_penalty=1.0, num_logged_rollouts=0,
+                           log_dir=str(tmp_path), run_name="frozen")
     metrics, synced = evaluate_policy(args, engine, policy, tokenizer, Gsm8kDataset("test", task.data), NullWriter(), 1, TwoRanks(), sampler_start=task.sft)
     assert metrics["num_examples"] == 2 and not synced  # rank 0's share of 4
     start = load_file(str(task.sft / "model.safetensors"))
