@@ -136,7 +136,9 @@ def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, rank
     if ranks.is_main:
         print(f"eval step {step}: accuracy {metrics['avg_all_rewards']:.3f} format {metrics['format_reward']:.3f} "
               f"response tokens {metrics['mean_response_tokens']:.0f} ({metrics['num_examples']} examples, {metrics['seconds']:.1f}s)")
-        with open(Path(args.log_dir) / args.run_name / "evals.jsonl", "a") as handle:  # for `python -m alignment.plot`
+        evals_log = Path(args.log_dir) / args.run_name / "evals.jsonl"  # for `python -m alignment.plot`
+        evals_log.parent.mkdir(parents=True, exist_ok=True)
+        with open(evals_log, "a") as handle:
             handle.write(json.dumps({"step": step, **{k: v for k, v in metrics.items() if k != "samples"}}) + "\n")
     return metrics, synced
 
