@@ -50,18 +50,26 @@ def run_flags(task, tmp_path, name, *extra):
 
 def test_train_rl_under_torchrun_end_to_end(tmp_path):
     """grpo_clip with two optimizer steps per batch (the old-policy pass ran under inference_mode
-    and broke FSDP2's next forward), and an odd evaluation set (7 on 2 ranks once graded 6)."""
+    and broke FSDP2's next forward), an odd evaluation set (7 on 2 ranks once graded 6), and bf16
+    compute on fp32 master weights (FSDP2's MixedPrecisionPolicy)."""
     task = make_tiny_task(tmp_path, num_train=32, num_test=8, seed=3)
     flags = run_flags(task, tmp_path, "fsdp", "--policy_parallel", "fsdp", "--rollout_backend", "hf", "--eval_num_examples", "7",
                       "--max_steps", "2", "--evaluate_freq", "2", "--kl_coef", "0.05", "--learning_rate", "1e-3", "--save_state_every", "1",
-                      "--loss_type", "grpo_clip", "--epochs_per_rollout_batch", "2")
+                      "--loss_type", "grpo_clip", "--epochs_per_rollout_batch", "2", "--dtype", "bfloat16")
     out = run([*TORCHRUN, "-m", "alignment.train_rl", *flags])
     assert "each of 2 ranks, FSDP2 policy" in out
+    assert "master weights, gradients and AdamW state fp32; forward/backward under autocast bf16" in out
     steps = [json.loads(line) for line in open(tmp_path / "runs" / "fsdp" / "steps.jsonl")]
     assert [s["step"] for s in steps] == [1, 2]  # rank 0 alone writes
     final = json.loads((tmp_path / "runs" / "fsdp" / "final_eval_metrics.json").read_text())
     assert final["num_examples"] == 7  # both ranks' shares gathered, every example once
     assert (tmp_path / "rl" / "model.safetensors").is_file()  # a full HF checkpoint from the shards
+    from safetensors.torch import load_file
+
+    final_weights, start = load_file(str(tmp_path / "rl" / "model.safetensors")), load_file(str(task.sft / "model.safetensors"))
+    assert all(tensor.dtype == torch.float32 for tensor in final_weights.values())  # the fp32 master weights
+    changed = torch.cat([(final_weights[k] != start[k]).flatten().float() for k in start]).mean()
+    assert changed > 0.99
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "rl")
