@@ -33,8 +33,12 @@ def _series(rows: list[dict], key: str) -> tuple[list, list]:
     return [step for step, _ in points], [value for _, value in points]
 
 
-def plot_run(run_dir, out=None) -> Path:
-    """Draw `run_dir`'s curves into `out` (default <run_dir>/curves.png); returns the path."""
+def plot_run(run_dir, out=None, start_eval: dict | None = None) -> Path:
+    """Draw `run_dir`'s curves into `out` (default <run_dir>/curves.png); returns the path.
+
+    `start_eval`: the starting checkpoint's evaluation metrics, drawn at step 0 (the demo
+    passes the SFT checkpoint's, so the accuracy curve starts where RL started).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,6 +46,8 @@ def plot_run(run_dir, out=None) -> Path:
 
     run_dir = Path(run_dir)
     steps, evals = read_jsonl(run_dir / "steps.jsonl"), read_jsonl(run_dir / "evals.jsonl")
+    if start_eval:
+        evals = [{**start_eval, "step": 0}, *evals]
     if not steps:
         raise UserError(f"{run_dir / 'steps.jsonl'} has no steps; pass the folder of a train_rl run (<log_dir>/<run_name>)")
     panels = [
