@@ -1,6 +1,6 @@
 """The peer: TRL's `GRPOTrainer` on workload W1, for a side-by-side step time.
 
-    PYTHONPATH=/tmp/site python bench/bench_trl.py        # one GPU; TRL 1.16 + vLLM 0.26 carried
+    PYTHONPATH=/tmp/site:$PWD python bench/bench_trl.py   # one GPU; TRL 1.16 + vLLM 0.26 carried
     python bench/bench_trl.py --tiny --device cpu         # smoke run of this script (HF generation)
 
 TRL is not a dependency of this repo (CI does not run this file); on the GPU

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device side, after the last part: check and unpack vLLM 0.26 and the grader's wheels
-# into /tmp/site. Afterwards run benchmarks with PYTHONPATH=/tmp/site (export it in each
+# into /tmp/site. Afterwards run benchmarks with PYTHONPATH=/tmp/site:$PWD (export it in each
 # later call on the same warm machine). Do not pipe this script into tail: its exit code
 # (a failed checksum stops it) must stop the command that runs the benchmarks.
 set -euo pipefail

@@ -9,7 +9,7 @@
 set -x
 results=${1:-/tmp/results}
 mkdir -p "$results"
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1  # the repo itself: the package is not pip-installed there
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$results/gpu.txt"
 (cd bench && python3 -c "from common import REPO_ROOT, build_checkpoint; build_checkpoint(REPO_ROOT / 'runs' / 'bench' / 'model', False)") > "$results/build_model.log" 2>&1 &
 python3 bench/bench_learning.py --out /tmp/learning > "$results/learning.log" 2>&1
