@@ -89,14 +89,15 @@ def check_writable(folder, flag: str, target=None) -> None:
 # ------------------------------------------------------------------ integrity
 
 
-def _sha256(file: Path) -> str:
+def file_sha256(file) -> str:
+    """SHA-256 of a file (checkpoint manifests; the training data's fingerprint for --resume)."""
     with open(file, "rb") as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _file_table(folder: Path) -> dict:
     return {
-        str(file.relative_to(folder)): {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        str(file.relative_to(folder)): {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
         for file in sorted(folder.rglob("*"))
         if file.is_file() and file.name != MANIFEST_NAME
     }
@@ -118,7 +119,7 @@ def verify_manifest(path, what: str) -> dict:
             raise UserError(f"{file} is missing (listed in {path / MANIFEST_NAME}); {what}")
         if file.stat().st_size != expected["bytes"]:
             raise UserError(f"{file} is damaged: {file.stat().st_size} bytes, {expected['bytes']} when written; {what}")
-        if _sha256(file) != expected["sha256"]:
+        if file_sha256(file) != expected["sha256"]:
             raise UserError(f"{file} is damaged: its SHA-256 differs from when it was written; {what}")
     return manifest
 

@@ -66,14 +66,6 @@ def split_path(data_dir: str | os.PathLike, split: str) -> Path:
     return Path(data_dir) / f"{split}.jsonl"
 
 
-def file_fingerprint(path) -> str:
-    """SHA-256 of a data file: a resumed run checks its data has not changed."""
-    import hashlib
-
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
 def load_gsm8k(split: str, data_dir: str | os.PathLike = DEFAULT_DATA_DIR) -> list[dict]:
     """Read and validate one split; every problem names the file and line.
 

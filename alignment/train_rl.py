@@ -63,9 +63,10 @@ from torch.utils.tensorboard import SummaryWriter
 
 from alignment import distributed
 from alignment.args import build_sft_parser, check_checkpoint, check_resume_flags, has_weights, model_context_length, parse_rl_args, run_record
-from alignment.checkpoint import (OutputLock, check_output_path, check_saved_model, check_writable, has_training_state, load_training_state,
-                                  read_manifest, recover_checkpoint, remove_output, save_model_atomically, save_training_state, state_step)
-from alignment.data import Gsm8kDataset, file_fingerprint, split_path
+from alignment.checkpoint import (OutputLock, check_output_path, check_saved_model, check_writable, file_sha256, has_training_state,
+                                  load_training_state, read_manifest, recover_checkpoint, remove_output, save_model_atomically,
+                                  save_training_state, state_step)
+from alignment.data import Gsm8kDataset, split_path
 from alignment.devices import format_role_table, place_model, resolve_dtype, resolve_role_devices
 from alignment.distributed import NullWriter, check_fsdp_sizes, per_rank_args, rank_share, rank_slice, reduce_reward_meta, reduce_totals, save_policy
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
@@ -239,7 +240,7 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
     single_step_per_batch = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.total_rollouts
     rank_args = per_rank_args(args, ranks)  # this rank's share of the batch sizes
     eval_metrics = {}
-    run = run_record(args, file_fingerprint(split_path(args.data_dir, "train")))
+    run = run_record(args, file_sha256(split_path(args.data_dir, "train")))
     stop = stop or StopOnSignal()  # main() installs it: SIGINT / SIGTERM finish the step, save, exit
     while progress["step"] < total_steps:
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + progress["epoch"])).tolist()
@@ -504,7 +505,7 @@ def main(argv=None) -> dict:
         check_output_path(path, flag)
     check_writable(run_dir, "--log_dir")
     if args.resume and has_training_state(args.state_dir):
-        changed = check_resume_flags(read_manifest(args.state_dir).get("run", {}), args, file_fingerprint(split_path(args.data_dir, "train")))
+        changed = check_resume_flags(read_manifest(args.state_dir).get("run", {}), args, file_sha256(split_path(args.data_dir, "train")))
         for line in changed:
             print(f"resume: {line} takes effect")
     with OutputLock([*outputs, (run_dir, "--log_dir/--run_name")] if writes else []), StopOnSignal() as stop:

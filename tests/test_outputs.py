@@ -332,7 +332,7 @@ def test_a_training_state_cannot_run_code(pipeline, monkeypatch, tmp_path):
     marker = tmp_path / "pwned"
     torch.save({"python": _Exploit(marker)}, state / "rng.pt")
     manifest = json.loads((state / MANIFEST_NAME).read_text())  # an attacker updates the checksums too
-    manifest["files"]["rng.pt"] = {"bytes": (state / "rng.pt").stat().st_size, "sha256": checkpoint._sha256(state / "rng.pt")}
+    manifest["files"]["rng.pt"] = {"bytes": (state / "rng.pt").stat().st_size, "sha256": checkpoint.file_sha256(state / "rng.pt")}
     (state / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(UserError, match=r"hostile/rl.state: UnpicklingError"):
         train_rl.main(flags(pipeline, "hostile", "--save_state_every", "1", "--resume"))
