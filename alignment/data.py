@@ -134,8 +134,7 @@ class Gsm8kDataset(Dataset):
             return
         room = context - max_new_tokens
         for prompt, where in zip(self.prompts, self.sources):
-            if len(prompt.encode()) + 8 > room and len(tokenizer(prompt)["input_ids"]) > room:
-                tokens = len(tokenizer(prompt)["input_ids"])
+            if len(prompt.encode()) + 8 > room and (tokens := len(tokenizer(prompt)["input_ids"])) > room:
                 raise UserError(f"{where}: the prompt is {tokens} tokens; with {flag} {max_new_tokens} it does not fit the model's {context}-token context; shorten or remove that row, or lower {flag}")
 
     def __len__(self) -> int:

@@ -162,17 +162,12 @@ def load_optimizer_state(model, optimizer, state: dict) -> None:
 
 
 def rank_slice(items: list, ranks) -> list:
-    """This rank's equal, contiguous share of `items` (all of them in one process).
+    """This rank's contiguous share of `items` (all of them in one process).
 
-    For training batches, whose size check_fsdp_sizes makes divisible by the world size.
+    Shares differ by at most one and together hold every item exactly once, whatever
+    the count (evaluation sets); training batches are equal shares, as check_fsdp_sizes
+    makes them divisible by the world size.
     """
-    share = len(items) // ranks.world_size
-    return items[ranks.rank * share : (ranks.rank + 1) * share] if ranks.world_size > 1 else items
-
-
-def rank_share(items: list, ranks) -> list:
-    """This rank's contiguous share of `items` when the count need not divide: shares differ
-    by at most one and together hold every item exactly once (evaluation sets)."""
     start, stop = (len(items) * r // ranks.world_size for r in (ranks.rank, ranks.rank + 1))
     return items[start:stop]
 

@@ -68,7 +68,7 @@ from alignment.checkpoint import (OutputLock, check_output_path, check_saved_mod
                                   save_training_state, state_step)
 from alignment.data import Gsm8kDataset, split_path
 from alignment.devices import format_role_table, place_model, resolve_dtype, resolve_role_devices
-from alignment.distributed import NullWriter, check_fsdp_sizes, per_rank_args, rank_share, rank_slice, reduce_reward_meta, reduce_totals, save_policy
+from alignment.distributed import NullWriter, check_fsdp_sizes, per_rank_args, rank_slice, reduce_reward_meta, reduce_totals, save_policy
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
 from alignment.errors import RunStopped, UserError, run_cli
 from alignment.evaluate import evaluate_in_subprocess, evaluate_math, format_metrics_table, summarize_samples, write_json, write_jsonl
@@ -115,7 +115,7 @@ def evaluate_policy(args, engine, model, tokenizer, eval_set, writer, step, rank
         synced = True
         # under torchrun each rank evaluates its share (every example exactly once); the
         # samples are gathered on every rank
-        prompts, truths = rank_share(eval_set.prompts, ranks), rank_share(eval_set.ground_truths, ranks)
+        prompts, truths = rank_slice(eval_set.prompts, ranks), rank_slice(eval_set.ground_truths, ranks)
         started = time.perf_counter()
         local = evaluate_math(engine, r1_zero_reward_fn, prompts, truths, sampling) if prompts else {"samples": []}
         metrics = summarize_samples(ranks.gather(local["samples"]), time.perf_counter() - started)

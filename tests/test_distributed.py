@@ -129,7 +129,7 @@ def test_train_rl_under_torchrun_with_a_vllm_engine_per_rank(tmp_path):
 
 
 def test_rank_shares_cover_every_item_once():
-    from alignment.distributed import SingleProcess, rank_share
+    from alignment.distributed import SingleProcess, rank_slice
 
     class Rank(SingleProcess):
         def __init__(self, rank, world_size):
@@ -137,7 +137,7 @@ def test_rank_shares_cover_every_item_once():
 
     for count in range(0, 12):
         for world_size in (1, 2, 3, 8):
-            shares = [rank_share(list(range(count)), Rank(r, world_size)) for r in range(world_size)]
+            shares = [rank_slice(list(range(count)), Rank(r, world_size)) for r in range(world_size)]
             assert [item for share in shares for item in share] == list(range(count))
             assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
