@@ -146,13 +146,13 @@ def build_rl_parser() -> argparse.ArgumentParser:
     loss.add_argument("--max_steps", type=_positive_int, default=None, help="stop after this many rollout steps (default: run all epochs)")
     loss.add_argument("--num_train_examples", type=_positive_int, default=None, help="use only the first N training prompts")
     loss.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward: less memory for long responses, ~30%% slower")
-    loss.add_argument("--torch_compile", action="store_true", help="torch.compile each decoder layer of the policy (dynamic shapes): faster updates after a one-time compile")
+    loss.add_argument("--torch_compile", action="store_true", help="torch.compile each decoder layer of the policy and the output layer's softmax math (dynamic shapes): faster updates after a one-time compile")
     loss.add_argument("--scoring_temperature", type=_positive_float, default=None,
                       help="logits are divided by this in every scoring pass (policy, old policy, reference, KL, entropy); default --sampling_temperature, "
                            "so the loss scores the distribution the rollouts were drawn from (TRL, verl); 1 = the seed's raw-model scoring")
-    loss.add_argument("--sampler_logprobs_every", type=_non_negative_int, default=16,
-                      help="ask the sampler for its log-probs of every Nth rollout, for train/sampler_* (the sampler/trainer gap); 1 = all, 0 = none. "
-                           "vLLM detokenises each returned log-prob in Python: all of W1's 65k tokens doubled its rollout time on an H200")
+    loss.add_argument("--sampler_logprobs_every", type=_non_negative_int, default=10,
+                      help="on step 1 and every Nth rollout step, ask the sampler for its log-probs of the sampled tokens, for train/sampler_* (the sampler/trainer gap); "
+                           "1 = every step, 0 = never. A vLLM batch that returns log-probs ran at half speed on an H200 (W1's rollout +2-3 s)")
     loss.add_argument("--logprob_chunk_size", type=_non_negative_int, default=1024, help="tokens per chunk of the fused lm_head+log-softmax (never builds fp32 (B,T,V)); 0 = naive log_softmax+gather")
 
     evaluation = parser.add_argument_group("evaluation")
@@ -164,6 +164,9 @@ def build_rl_parser() -> argparse.ArgumentParser:
 
     reliability = parser.add_argument_group("logging and reliability")
     reliability.add_argument("--log_every", type=_positive_int, default=1, help="console line every N steps")
+    reliability.add_argument("--peak_tflops", type=_non_negative_float, default=None,
+                             help="dense bf16 peak of one policy GPU, for perf/mfu (the update's model FLOPs / seconds / peak x GPUs); "
+                                  "default: the datasheet figure of an H100, H200, A100 or B200, none on a CPU; 0 = do not log MFU")
     reliability.add_argument("--num_logged_rollouts", type=_non_negative_int, default=4, help="sample rollouts written to TensorBoard text at each eval")
     reliability.add_argument("--save_state_every", type=_non_negative_int, default=0, help="write a resumable training state every N steps (0 = never)")
     reliability.add_argument("--resume", action="store_true", help="continue from the latest training state in --state_dir")

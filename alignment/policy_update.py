@@ -9,6 +9,7 @@ train_rl and by the benchmarks, which time exactly this code.
 import torch
 
 from alignment import distributed
+from alignment.flops import update_flops
 from alignment.grpo import grpo_microbatch_train_step
 from alignment.precision import autocast
 from alignment.sft_helpers import get_response_log_probs
@@ -32,7 +33,7 @@ def score_with(model, batch, rows_per_chunk, main_device, chunk_size, temperatur
         for rows in _chunks(by_length, rows_per_chunk):
             width = max(batch["lengths"][row] for row in rows)
             log_probs = get_response_log_probs(model, batch["input_ids"][rows, :width].to(device), batch["labels"][rows, :width].to(device),
-                                               chunk_size=chunk_size, temperature=temperature)["log_probs"]
+                                               chunk_size=chunk_size, temperature=temperature, positions=batch["response_mask"][rows, :width])["log_probs"]
             result[rows, :width] = log_probs.float().cpu()
     return result
 
@@ -57,27 +58,33 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
     update, so by the weights that sampled them when the sampler is in sync) also
     give the sampler/trainer mismatch: summed |trainer - sampler| log-prob and
     importance ratio exp(trainer - sampler), their max, and the token count.
+    `flops` counts the model FLOPs the update needed (alignment/flops.py), for MFU.
     """
     n_rollouts = batch["input_ids"].shape[0]
     lengths = batch["lengths"]
     totals = empty_totals()
     generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # a new order for every rollout batch
     mismatch = None  # device-side sums, read once at the end
+    # per-microbatch metrics stay on the device and are read once at the end: a read
+    # (.item()) would stall the host until the GPU drains, every microbatch
+    sums = {key: torch.zeros((), device=main_device) for key in ("loss", "entropy", "clip_fraction", "kl_ref")}
     for epoch in range(args.epochs_per_rollout_batch):
         order = torch.randperm(n_rollouts, generator=generator).tolist() if args.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
         for step_rows in _chunks(order, args.train_batch_size):
             if sort_by_length:
                 step_rows = sorted(step_rows, key=lambda row: lengths[row])
-            finite = True
+            finite = torch.ones((), dtype=torch.bool, device=main_device)
             microbatches = _chunks(step_rows, args.train_mini_batch_size)
             for index, rows in enumerate(microbatches):
                 if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients once per step
                     model.set_requires_gradient_sync(index == len(microbatches) - 1)
                 width = max(lengths[row] for row in rows)
+                cpu_mask = batch["response_mask"][rows, :width]
                 input_ids, labels, mask = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels", "response_mask"))
                 ref = batch["ref_log_probs"][rows, :width].to(main_device) if "ref_log_probs" in batch else None
                 with autocast(main_device, compute_dtype):
-                    out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=args.logprob_chunk_size, temperature=args.scoring_temperature)
+                    out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=args.logprob_chunk_size,
+                                                 temperature=args.scoring_temperature, positions=cpu_mask)
                 log_probs = out["log_probs"]
                 if "sampler_log_probs" in batch and epoch == 0 and totals["optimizer_steps"] + totals["skipped_steps"] == 0:
                     mismatch = _add_mismatch(mismatch, log_probs.detach(), batch["sampler_log_probs"][rows, :width].to(log_probs.device), mask)
@@ -97,19 +104,20 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
                     length_normalization=args.length_normalization, normalize_constant=args.length_normalization_constant,
                     kl_coef=args.kl_coef, ref_log_probs=ref,
                 )
-                finite = finite and bool(torch.isfinite(loss))
+                finite &= torch.isfinite(loss)
                 token_count = mask.sum().clamp(min=1)
-                totals["loss"] += loss.item()
-                totals["entropy"] += ((out["token_entropy"] * mask).sum() / token_count).item()
-                totals["clip_fraction"] += meta.get("clip_fraction", torch.zeros(())).item()
-                totals["kl_ref"] += meta["kl"].item() if "kl" in meta else float("nan")
+                sums["loss"] += loss.detach()
+                sums["entropy"] += (out["token_entropy"] * mask).sum() / token_count
+                sums["clip_fraction"] += meta["clip_fraction"] if "clip_fraction" in meta else 0.0
+                sums["kl_ref"] += meta["kl"] if "kl" in meta else float("nan")
                 totals["tokens"] += sum(lengths[row] for row in rows)
+                totals["flops"] += update_flops(model.config, [lengths[row] for row in rows], cpu_mask.sum(-1).tolist())
                 totals["microbatches"] += 1
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
                 grad_norm = grad_norm.full_tensor()
             # every rank must agree, or the shards would step apart
-            if ranks.all_true(finite and bool(torch.isfinite(grad_norm))):
+            if ranks.all_true(bool(finite & torch.isfinite(grad_norm))):  # the one host read per optimizer step
                 optimizer.step()
                 scheduler.step()
                 totals["grad_norm"] += grad_norm.item()
@@ -117,6 +125,7 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
             else:
                 totals["skipped_steps"] += 1  # never write NaN/inf into the weights
             optimizer.zero_grad(set_to_none=True)
+    totals.update({key: totals[key] + value.item() for key, value in sums.items()})
     if mismatch is not None:
         totals.update(zip(("sampler_abs_diff", "sampler_ratio", "sampler_ratio_max", "sampler_tokens"), (value.item() for value in mismatch)))
     return totals
@@ -134,7 +143,7 @@ def _add_mismatch(sums, trainer, sampler, mask):
 
 
 def empty_totals() -> dict:
-    return {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "optimizer_steps": 0, "skipped_steps": 0, "microbatches": 0,
+    return {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "flops": 0.0, "optimizer_steps": 0, "skipped_steps": 0, "microbatches": 0,
             "sampler_abs_diff": 0.0, "sampler_ratio": 0.0, "sampler_ratio_max": 0.0, "sampler_tokens": 0.0}
 
 

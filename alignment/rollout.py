@@ -32,13 +32,15 @@ class SamplingSettings:
     stop: tuple[str, ...] = STOP_STRINGS
     # also return each sampled token's log-prob under the distribution it was drawn
     # from (after repetition penalty, temperature and top_p), to measure how far the
-    # sampler is from the trainer's scoring: for every Nth prompt (0 = none). vLLM
-    # detokenises every returned log-prob in Python (~37 us a token): for all of a
-    # 65k-token batch that doubled W1's rollout time on an H200.
-    log_probs_every: int = 0
+    # sampler is from the trainer's scoring. Not free: a vLLM batch in which any request
+    # asks for log-probs ran at half speed on an H200 (W1: 17k tokens/s with 1 request
+    # in 16 asking, 14k with all, 38k with none), so train_rl asks on some steps only
+    # (--sampler_logprobs_every).
+    log_probs: bool = False
 
-    def wants_log_probs(self, index: int) -> bool:
-        return self.temperature > 0 and self.log_probs_every > 0 and index % self.log_probs_every == 0
+    @property
+    def returns_log_probs(self) -> bool:
+        return self.log_probs and self.temperature > 0
 
     @classmethod
     def from_args(cls, args, prefix: str) -> "SamplingSettings":
@@ -114,8 +116,7 @@ class HfEngine:
                 prompt_length = batch["input_ids"].shape[1]
                 stop = StopAfterMinTokens(StopStringCriteria(self.tokenizer, list(sampling.stop)), prompt_length)
                 sample = sampling.temperature > 0
-                rows = range(start, start + len(batch["input_ids"]))
-                recorder = _SampledLogProbs() if any(sampling.wants_log_probs(i) for i in rows) else None
+                recorder = _SampledLogProbs() if sampling.returns_log_probs else None
                 processors = []
                 if sample:
                     # temperature and top_p as our own processors, after HF's defaults
@@ -145,7 +146,7 @@ class HfEngine:
                     if pad_id in row:  # finished rows are padded after their last token
                         row = row[: row.index(pad_id)]
                     text = truncate_at_stop(self.tokenizer.decode(row, skip_special_tokens=True), sampling.stop)
-                    row_log_probs = log_probs[index, : len(row)].tolist() if log_probs is not None and sampling.wants_log_probs(start + index) else None
+                    row_log_probs = log_probs[index, : len(row)].tolist() if log_probs is not None else None
                     outputs.append(Generation(text=text, num_tokens=len(row), token_ids=row, log_probs=row_log_probs))
         finally:
             self.tokenizer.padding_side = padding_side
@@ -279,14 +280,10 @@ class VllmEngine:
             repetition_penalty=sampling.repetition_penalty,
             stop=list(sampling.stop),
             include_stop_str_in_output=True,
+            logprobs=0 if sampling.returns_log_probs else None,  # 0: only the sampled token's
         )
-        per_prompt = [params.clone() for _ in prompts] if sampling.log_probs_every else params
-        if sampling.log_probs_every:
-            for index, prompt_params in enumerate(per_prompt):
-                if sampling.wants_log_probs(index):
-                    prompt_params.logprobs = 0  # 0: only the sampled token's
         with self._on_device():
-            results = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+            results = self.llm.generate(prompts, params, use_tqdm=False)
         generations = []
         for result in results:
             output = result.outputs[0]

@@ -124,6 +124,7 @@ def get_response_log_probs(
     *,
     chunk_size: int = 0,
     temperature: float = 1.0,
+    positions: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token log p(labels | prefix) from a causal LM, at a sampling temperature.
 
@@ -136,19 +137,37 @@ def get_response_log_probs(
         temperature: the logits are divided by it before the softmax, so the
             log-probs (and entropy) are those of the distribution a sampler at this
             temperature draws from; 1.0 scores the raw model.
+        positions: optional (B, T) bool mask of the positions the caller reads
+            (the response mask). The fused path then runs the output layer on those
+            positions only and returns 0 elsewhere: prompt and padding positions
+            are ~40% of a GRPO batch, and the output layer with its softmax is the
+            costliest part of a step per position. Pass it on the CPU to keep the
+            device free of a sync. The naive path scores every position.
     Returns:
         {"log_probs": (B, T)} in fp32, plus "token_entropy": (B, T) if asked.
     """
     if chunk_size and _supports_fused_head(model):
         hidden = model.model(input_ids=input_ids).last_hidden_state
         weight = model.get_output_embeddings().weight
-        hidden = hidden.to(weight.device)
+        batch, width, hidden_size = hidden.shape
+        hidden, labels = hidden.to(weight.device).reshape(-1, hidden_size), labels.to(weight.device).reshape(-1)
+        index = None
+        if positions is not None:
+            index = positions.reshape(-1).nonzero().squeeze(1).to(weight.device, non_blocking=True)
+            hidden, labels = hidden.index_select(0, index), labels.index_select(0, index)
         if temperature != 1.0:
             hidden = hidden / temperature  # (h / T) @ W.T = logits / T
-        log_probs, entropy = chunked_linear_log_probs(hidden, weight, labels.to(weight.device), chunk_size, return_token_entropy)
-        result = {"log_probs": log_probs}
+        log_probs, entropy = chunked_linear_log_probs(hidden[None], weight, labels[None], chunk_size, return_token_entropy)
+
+        def to_grid(values):  # (1, N) -> (B, T), zeros off the scored positions
+            values = values[0]
+            if index is not None:
+                values = values.new_zeros(batch * width).index_copy(0, index, values)
+            return values.view(batch, width)
+
+        result = {"log_probs": to_grid(log_probs)}
         if return_token_entropy:
-            result["token_entropy"] = entropy
+            result["token_entropy"] = to_grid(entropy)
         return result
     logits = model(input_ids=input_ids).logits.float()
     if temperature != 1.0:

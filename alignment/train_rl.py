@@ -32,7 +32,8 @@ Where this departs from the seed, each one flag away from the seed's behaviour:
 - every scoring pass (policy, old policy, reference) divides the logits by the
   sampling temperature, so the loss scores the distribution that was sampled
   (--scoring_temperature 1 = the seed); the sampler's own log-probs of its tokens
-  are compared with the trainer's every step (train/sampler_*);
+  are compared with the trainer's on step 1 and every --sampler_logprobs_every
+  steps (train/sampler_*);
 - evaluation syncs the sampler and evaluates there (--eval_engine sampler);
   --eval_engine fresh saves to --tmp_checkpoint_path and starts a new vLLM
   engine on --eval_device, as the seed did;
@@ -72,6 +73,8 @@ from alignment.distributed import NullWriter, check_fsdp_sizes, per_rank_args, r
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
 from alignment.errors import RunStopped, UserError, run_cli
 from alignment.evaluate import evaluate_in_subprocess, evaluate_math, format_metrics_table, summarize_samples, write_json, write_jsonl
+from alignment.flops import peak_flops
+from alignment.fused_logprobs import use_compiled_chunk_math
 from alignment.grpo import advantages_from_scores
 from alignment.interrupts import StopOnSignal, resume_command
 from alignment.optim import build_optimizer, build_scheduler, set_peak_learning_rate
@@ -198,6 +201,7 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
     if args.torch_compile:
         for layer in model.model.layers:  # one graph for all layers; dynamic: widths vary per microbatch
             layer.compile(dynamic=True)
+        use_compiled_chunk_math()  # the output layer's softmax math, fused
     if ranks.world_size > 1:
         model.to(main_device)
         distributed.shard_policy(model, compute_dtype=dtype)
@@ -205,6 +209,10 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
         place_model(model, main_device, roles["policy_layers"])  # the seed's layer partition
     model.config.use_cache = False
     model.train()
+    # perf/mfu's denominator: every GPU the policy trains on (FSDP ranks, or the layer partition's GPUs)
+    policy_gpu_count = ranks.world_size if ranks.world_size > 1 else len({str(d) for d in roles["policy_layers"]} | {str(main_device)})
+    peak = peak_flops(main_device, args.peak_tflops)
+    total_peak = peak * policy_gpu_count if peak else None
     reference_model = None
     if args.kl_coef > 0 or args.old_policy == "reference" or args.log_reference_kl:
         reference_model = load_hf_model(base_model_checkpoint_path, args.reference_model_device, dtype).eval().requires_grad_(False)
@@ -235,8 +243,7 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
         say(f"resumed from {args.state_dir} at step {progress['step']} (epoch {progress['epoch']}, batch {progress['batch_in_epoch']})")
     sampler_version, skipped_in_a_row = progress["policy_version"], 0  # the sampler starts from the resumed weights
 
-    # the sampler also returns its log-probs of the sampled ids, to log how far it is from the trainer
-    rollout_sampling = replace(SamplingSettings.from_args(args, "sampling_"), log_probs_every=args.sampler_logprobs_every if args.rollout_tokens == "ids" else 0)
+    rollout_sampling = SamplingSettings.from_args(args, "sampling_")
     single_step_per_batch = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.total_rollouts
     rank_args = per_rank_args(args, ranks)  # this rank's share of the batch sizes
     eval_metrics = {}
@@ -262,8 +269,11 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
             timings["sync"] = time.perf_counter() - started
 
             # 2. sample group_size responses per prompt
+            # on some steps the sampler also returns its log-probs of the sampled ids, to log how far it is from the trainer
             started = time.perf_counter()
-            grouped_prompts, grouped_truths, generations = sample_rollouts(engine, prompts, ground_truths, args.group_size, rollout_sampling, args.seed * 100003 + step * 1009 + ranks.rank)
+            measure_gap = args.rollout_tokens == "ids" and args.sampler_logprobs_every > 0 and (step - 1) % args.sampler_logprobs_every == 0
+            step_sampling = replace(rollout_sampling, log_probs=measure_gap)
+            grouped_prompts, grouped_truths, generations = sample_rollouts(engine, prompts, ground_truths, args.group_size, step_sampling, args.seed * 100003 + step * 1009 + ranks.rank)
             responses = [g.text for g in generations]
             timings["rollout"] = time.perf_counter() - started
             generated_tokens = ranks.sum(sum(g.num_tokens for g in generations))
@@ -331,7 +341,7 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
 
             timings["step"] = time.perf_counter() - step_started
             if ranks.is_main:
-                _log_step(writer, args, progress, total_steps, reward_meta, totals, timings, generated_tokens, scheduler.get_last_lr()[0])
+                _log_step(writer, args, progress, total_steps, reward_meta, totals, timings, generated_tokens, scheduler.get_last_lr()[0], total_peak)
 
             stopping = ranks.any_true(stop.received is not None)
             if args.save_state_every and (step % args.save_state_every == 0 or stopping):
@@ -394,7 +404,7 @@ def _trim_jsonl(log: Path, last_step: int, say) -> None:
     log.write_text("".join(line + "\n" for line in kept))
 
 
-def _log_step(writer, args, progress, total_steps, reward_meta, totals, timings, generated_tokens, learning_rate):
+def _log_step(writer, args, progress, total_steps, reward_meta, totals, timings, generated_tokens, learning_rate, total_peak=None):
     """One step's scalars: TensorBoard, a line of steps.jsonl, and every --log_every steps the console."""
     step = progress["step"]
     nan = float("nan")  # what an update did not measure is n/a (not written to TensorBoard)
@@ -424,6 +434,8 @@ def _log_step(writer, args, progress, total_steps, reward_meta, totals, timings,
         "perf/rollout_tokens_per_s": generated_tokens / max(timings["rollout"], 1e-9),
         "perf/train_tokens_per_s": totals["tokens"] / max(timings["update"], 1e-9),
         "perf/step_seconds": timings["step"],
+        # the update's model FLOPs over the policy GPUs' bf16 peak (n/a on a CPU unless --peak_tflops)
+        "perf/mfu": totals["flops"] / max(timings["update"], 1e-9) / total_peak if total_peak and totals["flops"] else nan,
         # this process's high-water mark over its GPUs (an in-process vLLM's KV cache included)
         "perf/peak_memory_gib": max((torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())), default=nan) / 2**30,
     }
@@ -435,14 +447,19 @@ def _log_step(writer, args, progress, total_steps, reward_meta, totals, timings,
     with open(Path(args.log_dir) / args.run_name / "steps.jsonl", "a") as handle:
         handle.write(json.dumps({"step": step, **{k: (None if math.isnan(v) else v) for k, v in scalars.items()}}) + "\n")
     if step % args.log_every == 0 or step == total_steps:
-        print(
-            f"step {step}/{total_steps} reward {scalars['train/reward']:.3f} format {scalars['train/format_reward']:.3f} "
-            f"answer {scalars['train/answer_reward']:.3f} loss {scalars['train/loss']:+.4f} kl {scalars['train/kl_ref']:.4f} "
-            f"clip {scalars['train/clip_fraction']:.3f} sampler_gap {scalars['train/sampler_logprob_abs_diff']:.4f} resp_tokens {scalars['train/response_length']:.0f} "
-            f"rollout_tok/s {scalars['perf/rollout_tokens_per_s']:.0f} train_tok/s {scalars['perf/train_tokens_per_s']:.0f} "
-            f"{timings['step']:.1f}s" + (f" skipped {progress['skipped_steps']}" if progress["skipped_steps"] else ""),
-            flush=True,
-        )
+        gap, mfu = scalars["train/sampler_logprob_abs_diff"], scalars["perf/mfu"]
+        parts = [
+            f"step {step}/{total_steps}", f"reward {scalars['train/reward']:.3f}", f"format {scalars['train/format_reward']:.3f}",
+            f"answer {scalars['train/answer_reward']:.3f}", f"loss {scalars['train/loss']:+.4f}", f"kl {scalars['train/kl_ref']:.4f}",
+            f"clip {scalars['train/clip_fraction']:.3f}",
+            "" if math.isnan(gap) else f"sampler_gap {gap:.4f}",  # measured on some steps (--sampler_logprobs_every)
+            f"resp_tokens {scalars['train/response_length']:.0f}", f"rollout_tok/s {scalars['perf/rollout_tokens_per_s']:.0f}",
+            f"train_tok/s {scalars['perf/train_tokens_per_s']:.0f}",
+            "" if math.isnan(mfu) else f"mfu {mfu:.1%}",  # needs a known GPU or --peak_tflops
+            f"{timings['step']:.1f}s",
+            f"skipped {progress['skipped_steps']}" if progress["skipped_steps"] else "",
+        ]
+        print(" ".join(part for part in parts if part), flush=True)
 
 
 # ----------------------------------------------------------------- entry

@@ -91,8 +91,9 @@ def train(args, stop: StopOnSignal | None = None) -> dict:
                 indices = batch[micro_start : micro_start + args.microbatch_size]
                 tokens = tokenize_prompt_and_output([dataset.prompts[i] for i in indices], [dataset.completions[i] for i in indices], tokenizer)
                 input_ids, labels, mask = (tokens[k].to(device) for k in ("input_ids", "labels", "response_mask"))
+                positions = tokens["response_mask"]  # the prompt is not scored (on the CPU: no device sync)
                 with autocast(device, dtype):
-                    log_probs = get_response_log_probs(model, input_ids, labels, chunk_size=args.logprob_chunk_size)["log_probs"]
+                    log_probs = get_response_log_probs(model, input_ids, labels, chunk_size=args.logprob_chunk_size, positions=positions)["log_probs"]
                 loss, meta = sft_microbatch_train_step(log_probs, mask, args.gradient_accumulation_steps, args.normalize_constant)
                 loss_total += loss.item()
                 nll_total += -(log_probs.detach() * mask).sum().item()

@@ -14,12 +14,15 @@ reference model or the old policy.
 
 import argparse
 import copy
+from pathlib import Path
 from types import SimpleNamespace
 
-from common import REPO_ROOT, build_checkpoint, matmul_ceiling_tflops, synthetic_grpo_batch, timed, training_flops_per_token, write_result
+from common import REPO_ROOT, build_checkpoint, matmul_ceiling_tflops, synthetic_grpo_batch, timed, write_result
 
 import torch  # noqa: E402
 
+from alignment.flops import update_flops  # noqa: E402
+from alignment.fused_logprobs import use_compiled_chunk_math  # noqa: E402
 from alignment.policy_update import score_with, update_policy  # noqa: E402
 from alignment.optim import build_optimizer, build_scheduler  # noqa: E402
 from alignment.rollout import load_hf_model, load_tokenizer  # noqa: E402
@@ -39,8 +42,20 @@ def padded_positions(lengths: list[int], microbatch: int, sort: bool) -> int:
     return sum(len(order[i : i + microbatch]) * max(order[i : i + microbatch]) for i in range(0, len(order), microbatch))
 
 
-def sequence_flops(config, lengths: list[int]) -> float:
-    return sum(n * training_flops_per_token(config, n) for n in lengths)
+def profile_update(step, device: str, path: Path) -> None:
+    """One update under torch.profiler: self time by op, device kernels first, as a text table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        step()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+    sort_key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_key, row_limit=60, max_name_column_width=90)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(table)
+    print(f"profile of one update: {path}\n" + "\n".join(table.splitlines()[:30]), flush=True)
 
 
 def main():
@@ -52,6 +67,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
     parser.add_argument("--pure_bf16", action="store_true", help="bf16 weights and AdamW state (train_rl --no-fp32_master_weights); default fp32 master weights, bf16 compute")
+    parser.add_argument("--profile", default=None, metavar="VARIANT",
+                        help="after timing, run one more update of this variant under torch.profiler and write the kernel time by op to update_profile.txt")
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench"))
     args = parser.parse_args()
 
@@ -64,6 +81,7 @@ def main():
     batch = synthetic_grpo_batch(tokenizer, args.batch_size, seed=0, tiny=args.tiny)
     lengths = batch["lengths"]
     real_tokens = sum(lengths)
+    needed_flops = update_flops(config, lengths, batch["response_mask"].sum(-1).tolist())  # MFU's numerator (alignment/flops.py)
     ceiling = matmul_ceiling_tflops(device)
     print(f"device {device} | bf16 matmul ceiling {ceiling:.0f} TFLOP/s | {args.batch_size} sequences, {real_tokens} tokens, "
           f"mean length {real_tokens / len(lengths):.0f} (mean prompt {sum(batch['prompt_lengths']) / len(lengths):.0f})", flush=True)
@@ -93,6 +111,7 @@ def main():
         if compiled:  # as train_rl --torch_compile does
             for layer in model.model.layers:
                 layer.compile(dynamic=True)
+        use_compiled_chunk_math(compiled)
         optimizer = build_optimizer(model, 1e-6, 0.0)
         scheduler = build_scheduler(optimizer, 0, 100)
         step_args = update_args(microbatch, chunk, args.batch_size)
@@ -109,11 +128,15 @@ def main():
         computed = padded_positions(lengths, microbatch, sort)
         rows.append({
             "workload": "update", "variant": name, "master_weights": "bf16" if args.pure_bf16 else "fp32", "microbatch": microbatch, "seconds": seconds,
-            "tokens_per_s": real_tokens / seconds, "mfu": sequence_flops(config, lengths) / seconds / 1e12 / ceiling,
+            "tokens_per_s": real_tokens / seconds, "mfu": needed_flops / seconds / 1e12 / ceiling,
             "peak_gib": peak, "padding_share": 1 - real_tokens / computed, "times": times,
         })
         write_result(args.out, result_name, rows)
+        if name == args.profile:
+            profile_update(lambda: update_policy(model, optimizer, scheduler, batch, step_args, device, compute_dtype=compute_dtype, sort_by_length=sort),
+                           device, Path(args.out) / f"{result_name}_profile_{name}.txt")
 
+    use_compiled_chunk_math(False)
     base.eval()  # the frozen reference's scoring pass: bf16 weights, as train_rl holds it
     base.to(compute_dtype)
     for name, (microbatch, chunk) in {"logprob_naive_mb16": (16, 0), "logprob_fused_mb32": (32, 1024), "logprob_fused_mb64": (64, 1024)}.items():
@@ -126,7 +149,7 @@ def main():
             rows.append({"workload": "logprob", "variant": name, "error": "out of memory"})
             continue
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else float("nan")
-        forward_flops = sequence_flops(config, lengths) / 3  # forward is a third of fwd+bwd
+        forward_flops = needed_flops / 3  # forward is a third of fwd+bwd
         rows.append({
             "workload": "logprob", "variant": name, "microbatch": microbatch, "seconds": seconds,
             "tokens_per_s": real_tokens / seconds, "mfu": forward_flops / seconds / 1e12 / ceiling, "peak_gib": peak, "times": times,

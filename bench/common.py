@@ -118,23 +118,6 @@ def matmul_ceiling_tflops(device: str, size: int = 8192) -> float:
     return 2 * size**3 / seconds / 1e12
 
 
-def training_flops_per_token(config, context: float) -> float:
-    """Model FLOPs of forward+backward for one token (PaLM appendix B).
-
-    6 x the matmul parameters (decoder layers and the lm_head; the embedding
-    lookup is free) + 6 x layers x hidden x context for causal attention scores
-    and values (12 L d T, halved by the causal mask). Recomputation (gradient
-    checkpointing, the fused log-prob's second lm_head pass) is not counted: it is
-    work the hardware does, not model FLOPs.
-    """
-    hidden, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
-    head_dim = hidden // config.num_attention_heads
-    kv = config.num_key_value_heads * head_dim
-    per_layer = hidden * hidden * 2 + hidden * kv * 2 + 3 * hidden * inter  # q, o, k, v, gate/up/down
-    matmul_params = layers * per_layer + config.vocab_size * hidden
-    return 6 * matmul_params + 6 * layers * hidden * context
-
-
 def response_lengths(count: int, seed: int, low: int = 50, high: int = 1024, mean: float = 300.0) -> list[int]:
     """GRPO-like response lengths: low + exponential tail, clipped to high (mean ~300)."""
     generator = torch.Generator().manual_seed(seed)

@@ -1,23 +1,51 @@
 #!/usr/bin/env bash
-# The H200 session behind bench/RESULTS.md's "fp32 master weights" section, as one background
-# job (a call may run 10 minutes; this takes ~20): the learning table (the 1.5B benchmark model
-# is built beside it), then W1 with fp32 master weights, TRL's GRPOTrainer on the same checkpoint
-# right after, W1 in pure bf16, and last the demo as is. After bench/device_setup.sh (TRL's
-# wheels in .whl too), from a copy of the repo:
-#   setsid nohup bash bench/numerics_session.sh /tmp/results > /tmp/session.log 2>&1 &
-# then read /tmp/results/*.log in later calls; /tmp/results/DONE marks the end of the timed part.
+# The H200 sessions behind bench/RESULTS.md's "fp32 master weights" section, as one background
+# job (a call may run 10 minutes; this takes ~15-20): the learning table (the 1.5B benchmark
+# model is built beside it), W1 with fp32 master weights, TRL's GRPOTrainer on the same
+# checkpoint right after, W1 in pure bf16, the update benchmark with a profile, the demo.
+# After bench/device_setup.sh (TRL's wheels in .whl too), from a copy of the repo:
+#   STAGES="learning w1_fp32 trl w1_bf16" setsid nohup bash bench/numerics_session.sh /tmp/results > /tmp/session.log 2>&1 &
+# then read /tmp/results/*.log in later calls; /tmp/results/DONE marks the end, and each stage
+# leaves its name in /tmp/results/stages as it finishes (with its exit code).
 set -x
 results=${1:-/tmp/results}
+stages=${STAGES:-learning w1_fp32 trl w1_bf16 update demo}
+variants=${LEARNING_VARIANTS:-}  # empty: all of bench_learning.py's variants
 mkdir -p "$results"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1  # the repo itself: the package is not pip-installed there
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$results/gpu.txt"
 (cd bench && python3 -c "from common import REPO_ROOT, build_checkpoint; build_checkpoint(REPO_ROOT / 'runs' / 'bench' / 'model', False)") > "$results/build_model.log" 2>&1 &
-python3 bench/bench_learning.py --out /tmp/learning > "$results/learning.log" 2>&1
+builder=$!
+
+run_stage() {
+  local name=$1
+  shift
+  "$@" > "$results/$name.log" 2>&1
+  echo "$name $? $(date +%T)" >> "$results/stages"
+}
+
+for stage in $stages; do
+  case $stage in
+    learning)
+      run_stage learning python3 bench/bench_learning.py --out /tmp/learning ${variants:+--variants $variants}
+      cp /tmp/learning/learning.json "$results/" ;;
+    w1_fp32)
+      wait $builder
+      run_stage w1_fp32_master python3 bench/bench_step.py --gpus 1 --steps 6 --extra=--torch_compile --tag fp32_master --out "$results" ;;
+    trl)
+      wait $builder
+      run_stage trl python3 bench/bench_trl.py --steps 6 --out "$results" ;;
+    w1_bf16)
+      wait $builder
+      run_stage w1_pure_bf16 python3 bench/bench_step.py --gpus 1 --steps 6 --extra="--torch_compile --no-fp32_master_weights" --tag pure_bf16 --out "$results" ;;
+    update)
+      wait $builder
+      run_stage update python3 bench/bench_update.py --repeats 3 --variants fused_sorted_mb16,fused_sorted_mb16_compile,fused_sorted_mb32_compile \
+        --profile fused_sorted_mb32_compile --out "$results" ;;
+    demo)
+      run_stage demo python3 -m alignment.toy.demo --out /tmp/demo --checkpoints /tmp/demo_ckpt
+      cp /tmp/demo/summary.json "$results/demo_summary.json" ;;
+  esac
+done
 wait
-cp /tmp/learning/learning.json "$results/"
-python3 bench/bench_step.py --gpus 1 --steps 6 --extra=--torch_compile --tag fp32_master --out "$results" > "$results/w1_fp32_master.log" 2>&1
-python3 bench/bench_trl.py --steps 6 --out "$results" > "$results/trl.log" 2>&1
-python3 bench/bench_step.py --gpus 1 --steps 6 --extra="--torch_compile --no-fp32_master_weights" --tag pure_bf16 --out "$results" > "$results/w1_pure_bf16.log" 2>&1
 date > "$results/DONE"
-python3 -m alignment.toy.demo --out /tmp/demo --checkpoints /tmp/demo_ckpt > "$results/demo.log" 2>&1
-cp /tmp/demo/summary.json "$results/demo_summary.json"

@@ -102,7 +102,7 @@ def trainer_log_probs(model, tokenizer, generations, temperature):
 
 # min_tokens 0: a minimum length masks eos out of the first tokens' distribution, a real
 # (small) sampler/trainer gap that train/sampler_logprob_abs_diff shows
-TEMPERED = SamplingSettings(temperature=0.7, min_tokens=0, max_tokens=12, repetition_penalty=1.0, log_probs_every=1)
+TEMPERED = SamplingSettings(temperature=0.7, min_tokens=0, max_tokens=12, repetition_penalty=1.0, log_probs=True)
 
 
 def test_hf_sampler_log_probs_equal_the_trainers_at_the_sampling_temperature(tiny_model_and_tokenizer):

@@ -91,6 +91,54 @@ def test_fused_log_probs_gradient_matches_naive(tiny_model_and_tokenizer):
         assert torch.allclose(naive[name], fused[name], atol=1e-4, rtol=1e-4), name
 
 
+def test_fused_log_probs_on_response_positions_only_equal_the_full_pass(tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    batch = tokenize_prompt_and_output(PROMPTS, OUTPUTS, tokenizer)
+    mask = batch["response_mask"]
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    results, grads = [], []
+    for positions in (None, mask):
+        clone = copy.deepcopy(model)
+        out = get_response_log_probs(clone, batch["input_ids"], batch["labels"], return_token_entropy=True, chunk_size=4, temperature=0.7, positions=positions)
+        (out["log_probs"] * weights * mask).sum().backward()  # a loss reads response positions only
+        results.append(out)
+        grads.append({name: p.grad.clone() for name, p in clone.named_parameters()})
+    full, selected = results
+    assert 0 < mask.sum() < mask.numel()
+    for key in ("log_probs", "token_entropy"):
+        assert torch.allclose(selected[key][mask], full[key][mask], atol=1e-5)
+        assert torch.equal(selected[key][~mask], torch.zeros(int((~mask).sum())))  # the prompt and padding were not scored
+    assert torch.all(full["log_probs"][~mask] < 0)  # the full pass did score them
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4), name
+
+
+def test_compiled_chunk_math_equals_eager():
+    """train_rl --torch_compile fuses the per-chunk softmax math: same values and gradients."""
+    from alignment import fused_logprobs
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, 16, generator=generator)
+    labels = torch.randint(0, 50, (1, 23), generator=generator)
+    grad = torch.randn(1, 23, generator=generator)
+    results = []
+    for compiled in (False, True):
+        fused_logprobs.use_compiled_chunk_math(compiled)
+        try:
+            hidden = torch.randn(1, 23, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            head = weight.clone().requires_grad_(True)
+            with torch.autocast("cpu", torch.bfloat16):  # bf16 matmuls, fp32 softmax math, as on a GPU
+                log_probs, entropy = fused_logprobs.chunked_linear_log_probs(hidden, head, labels, chunk_size=8, with_entropy=True)
+            (log_probs * grad).sum().backward()
+            results.append((log_probs.detach(), entropy, hidden.grad, head.grad))
+        finally:
+            fused_logprobs.use_compiled_chunk_math(False)
+    assert results[1][0].dtype == torch.float32 and results[1][3].dtype == torch.float32
+    for eager, compiled in zip(*results):
+        assert torch.allclose(eager, compiled, atol=1e-4, rtol=1e-3), (eager - compiled).abs().max()
+    assert fused_logprobs._chunk_math["log_probs"] is fused_logprobs._chunk_log_probs  # switched back
+
+
 def test_chunked_log_probs_gradcheck_float64():
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 3, 4, dtype=torch.float64, generator=generator, requires_grad=True)

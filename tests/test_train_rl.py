@@ -11,6 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from alignment import train_rl
+from alignment.flops import update_flops
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.policy_update import score_with, sequence_lengths, update_policy
 from alignment.sft_helpers import tokenize_rollouts
@@ -19,7 +20,7 @@ from conftest import make_tiny_task
 REQUIRED_TAGS = {
     "train/reward", "train/format_reward", "train/answer_reward", "train/loss", "train/grad_norm", "train/entropy",
     "train/clip_fraction", "train/kl_ref", "train/response_length", "train/lr", "eval/avg_all_rewards",
-    "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "perf/step_seconds",
+    "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "perf/step_seconds", "perf/mfu",
 }
 
 
@@ -38,6 +39,7 @@ def rl_flags(pipeline, name, *extra):
         # the random model never answers correctly, so rewards carry no signal; a KL term
         # keeps the update running (zero-signal batches are skipped otherwise)
         "--kl_coef", "0.01",
+        "--peak_tflops", "0.001",  # a CPU has no datasheet peak: give one, so perf/mfu is logged
         *extra,
     ]
 
@@ -122,6 +124,7 @@ def test_one_step_loss_equals_hand_computation(pipeline):
     assert totals["loss"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)
     assert totals["optimizer_steps"] == 1 and totals["microbatches"] == 2 and totals["skipped_steps"] == 0
     assert totals["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # reference == policy before the step
+    assert totals["flops"] == pytest.approx(update_flops(model.config, batch["lengths"], batch["response_mask"].sum(-1).tolist()))
 
 
 def test_non_finite_gradient_skips_the_step(pipeline):
