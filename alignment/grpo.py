@@ -145,14 +145,17 @@ def compute_policy_gradient_loss(
     cliprange_high: float | None = None,
     kl_coef: float = 0.0,
     ref_log_probs: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dispatch to the chosen loss; returns per-token loss (B, T) and metadata.
 
     no_baseline uses `raw_rewards` (B, 1); reinforce_with_baseline uses
     `advantages` (B, 1); grpo_clip uses `advantages`, `old_log_probs` (B, T) and
-    `cliprange`. With `kl_coef > 0`, `kl_coef * k3(policy, reference)` is added per
-    token; metadata["kl"] holds the (detached) per-token KL whenever
-    `ref_log_probs` is given.
+    `cliprange`. `importance_weights` (B, T), when given, multiply the policy-gradient
+    term per token (truncated importance sampling of rollouts drawn by an older
+    policy; no gradient flows through them). With `kl_coef > 0`,
+    `kl_coef * k3(policy, reference)` is added per token (unweighted);
+    metadata["kl"] holds the (detached) per-token KL whenever `ref_log_probs` is given.
     """
     metadata: dict[str, torch.Tensor] = {}
     if loss_type == "no_baseline":
@@ -170,6 +173,8 @@ def compute_policy_gradient_loss(
         loss, metadata = compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange, cliprange_high)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}; use no_baseline, reinforce_with_baseline or grpo_clip")
+    if importance_weights is not None:
+        loss = loss * importance_weights.detach()
     if kl_coef and ref_log_probs is None:
         raise ValueError("kl_coef > 0 needs ref_log_probs")
     if ref_log_probs is not None:
@@ -211,6 +216,7 @@ def grpo_microbatch_train_step(
     cliprange_high: float | None = None,
     kl_coef: float = 0.0,
     ref_log_probs: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one microbatch, scaled for gradient accumulation, then `backward()`.
 
@@ -227,7 +233,7 @@ def grpo_microbatch_train_step(
     """
     per_token, loss_metadata = compute_policy_gradient_loss(
         policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange,
-        cliprange_high=cliprange_high, kl_coef=kl_coef, ref_log_probs=ref_log_probs,
+        cliprange_high=cliprange_high, kl_coef=kl_coef, ref_log_probs=ref_log_probs, importance_weights=importance_weights,
     )
     mask = response_mask.to(per_token.dtype)
     if length_normalization == "mean":

@@ -68,6 +68,9 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
     # per-microbatch metrics stay on the device and are read once at the end: a read
     # (.item()) would stall the host until the GPU drains, every microbatch
     sums = {key: torch.zeros((), device=main_device) for key in ("loss", "entropy", "clip_fraction", "kl_ref")}
+    # rollouts from an older policy (train_rl --rollout_staleness): correct with the sampler's log-probs
+    behaviour = batch.get("sampler_log_probs") if getattr(args, "rollout_staleness", 0) else None
+    cap = args.tis_cap if behaviour is not None else float("inf")
     for epoch in range(args.epochs_per_rollout_batch):
         order = torch.randperm(n_rollouts, generator=generator).tolist() if args.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
         for step_rows in _chunks(order, args.train_batch_size):
@@ -87,22 +90,29 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
                                                  temperature=args.scoring_temperature, positions=cpu_mask)
                 log_probs = out["log_probs"]
                 if "sampler_log_probs" in batch and epoch == 0 and totals["optimizer_steps"] + totals["skipped_steps"] == 0:
-                    mismatch = _add_mismatch(mismatch, log_probs.detach(), batch["sampler_log_probs"][rows, :width].to(log_probs.device), mask)
-                old = None
+                    mismatch = _add_mismatch(mismatch, log_probs.detach(), batch["sampler_log_probs"][rows, :width].to(log_probs.device), mask, cap)
+                old = importance = sampled = None
+                if behaviour is not None:  # the sampler's log-probs, made finite off the response
+                    sampled = torch.where(mask.bool(), behaviour[rows, :width].to(log_probs.device), log_probs.detach())
                 if args.loss_type == "grpo_clip":
                     if args.old_policy == "reference":
                         old = ref  # the seed: ratio against the frozen start checkpoint
+                    elif sampled is not None:
+                        old = sampled  # the ratio against the policy that sampled (it clips off-policy tokens itself)
                     elif "old_log_probs" in batch:
                         old = batch["old_log_probs"][rows, :width].to(main_device)
                     else:
                         old = log_probs.detach()  # one step on fresh rollouts: the sampler's policy is this one
+                elif sampled is not None:
+                    # truncated importance sampling: weight min(pi / pi_sampler, cap) per token (no gradient)
+                    importance = torch.exp(log_probs.detach() - sampled).clamp(max=args.tis_cap)
                 loss, meta = grpo_microbatch_train_step(
                     log_probs, mask, args.gradient_accumulation_steps, args.loss_type,
                     raw_rewards=batch["raw_rewards"][rows, None].to(main_device),
                     advantages=batch["advantages"][rows, None].to(main_device),
                     old_log_probs=old, cliprange=args.cliprange, cliprange_high=args.cliprange_high,
                     length_normalization=args.length_normalization, normalize_constant=args.length_normalization_constant,
-                    kl_coef=args.kl_coef, ref_log_probs=ref,
+                    kl_coef=args.kl_coef, ref_log_probs=ref, importance_weights=importance,
                 )
                 finite &= torch.isfinite(loss)
                 token_count = mask.sum().clamp(min=1)
@@ -127,24 +137,24 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
             optimizer.zero_grad(set_to_none=True)
     totals.update({key: totals[key] + value.item() for key, value in sums.items()})
     if mismatch is not None:
-        totals.update(zip(("sampler_abs_diff", "sampler_ratio", "sampler_ratio_max", "sampler_tokens"), (value.item() for value in mismatch)))
+        totals.update(zip(("sampler_abs_diff", "sampler_ratio", "sampler_ratio_max", "sampler_tokens", "tis_capped"), (value.item() for value in mismatch)))
     return totals
 
 
-def _add_mismatch(sums, trainer, sampler, mask):
-    """Running (sum |trainer - sampler|, sum ratio, max ratio, tokens) over response tokens."""
+def _add_mismatch(sums, trainer, sampler, mask, cap=float("inf")):
+    """Running (sum |trainer - sampler|, sum ratio, max ratio, tokens, tokens with ratio > cap) over response tokens."""
     mask = mask.bool() & ~torch.isnan(sampler)  # rows the sampler did not score are NaN
     difference = (trainer - sampler)[mask]
     ratio = torch.exp(difference)
-    step = (difference.abs().sum(), ratio.sum(), ratio.max() if ratio.numel() else ratio.new_zeros(()), mask.sum().to(ratio.dtype))
+    step = (difference.abs().sum(), ratio.sum(), ratio.max() if ratio.numel() else ratio.new_zeros(()), mask.sum().to(ratio.dtype), (ratio > cap).sum().to(ratio.dtype))
     if sums is None:
         return step
-    return (sums[0] + step[0], sums[1] + step[1], torch.maximum(sums[2], step[2]), sums[3] + step[3])
+    return (sums[0] + step[0], sums[1] + step[1], torch.maximum(sums[2], step[2]), sums[3] + step[3], sums[4] + step[4])
 
 
 def empty_totals() -> dict:
     return {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "flops": 0.0, "optimizer_steps": 0, "skipped_steps": 0, "microbatches": 0,
-            "sampler_abs_diff": 0.0, "sampler_ratio": 0.0, "sampler_ratio_max": 0.0, "sampler_tokens": 0.0}
+            "sampler_abs_diff": 0.0, "sampler_ratio": 0.0, "sampler_ratio_max": 0.0, "sampler_tokens": 0.0, "tis_capped": 0.0}
 
 
 def _chunks(items, size):

@@ -34,6 +34,8 @@ Where this departs from the seed, each one flag away from the seed's behaviour:
   (--scoring_temperature 1 = the seed); the sampler's own log-probs of its tokens
   are compared with the trainer's on step 1 and every --sampler_logprobs_every
   steps (train/sampler_*);
+- --rollout_staleness N (default 0) runs the sampler in its own process, N batches
+  ahead of the policy, with truncated importance sampling (sampler_process.py);
 - evaluation syncs the sampler and evaluates there (--eval_engine sampler);
   --eval_engine fresh saves to --tmp_checkpoint_path and starts a new vLLM
   engine on --eval_device, as the seed did;
@@ -82,16 +84,21 @@ from alignment.policy_update import empty_totals, score_with, sequence_lengths, 
 from alignment.precision import describe as describe_precision
 from alignment.precision import master_dtype
 from alignment.rollout import HfEngine, SamplingSettings, VllmEngine, build_engine, checkpoint_tensors, load_hf_model, load_tokenizer
+from alignment.sampler_process import RolloutsAhead, SamplerProcess
 from alignment.sft_helpers import tokenize_rollout_ids, tokenize_rollouts
 
 
 # ------------------------------------------------------------------ the step
 
 
+def group_prompts(prompts, ground_truths, group_size):
+    """Each prompt (and its answer) repeated group_size times (seed)."""
+    return [p for p in prompts for _ in range(group_size)], [gt for gt in ground_truths for _ in range(group_size)]
+
+
 def sample_rollouts(engine, prompts, ground_truths, group_size, sampling, seed):
     """Repeat each prompt group_size times (seed) and sample one response each."""
-    grouped_prompts = [p for p in prompts for _ in range(group_size)]
-    grouped_ground_truths = [gt for gt in ground_truths for _ in range(group_size)]
+    grouped_prompts, grouped_ground_truths = group_prompts(prompts, ground_truths, group_size)
     torch.manual_seed(seed)  # the HF backend samples from torch's RNG: same step, same rollouts
     generations = engine.generate(grouped_prompts, sampling)
     return grouped_prompts, grouped_ground_truths, generations
@@ -188,8 +195,16 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
     start_weights = state["policy_path"] if state else base_model_checkpoint_path
     # the seed's frozen sampler (--rollout_sync_every 0) samples from the start checkpoint, resumed or not
     sampler_start = base_model_checkpoint_path if args.rollout_sync_every == 0 else start_weights
-    if args.rollout_backend == "vllm":
-        policy_gpus = set(roles["policy_layers"]) | {main_device, args.reference_model_device}
+    policy_gpus = set(roles["policy_layers"]) | {main_device, args.reference_model_device}
+    ahead = None  # with --rollout_staleness: batches sent to the sampler process before their step
+    if args.rollout_staleness:
+        if ranks.world_size > 1:
+            raise UserError(f"--rollout_staleness {args.rollout_staleness} runs one sampler process beside one trainer; under torchrun use --rollout_staleness 0")
+        engine = SamplerProcess(args.rollout_backend, sampler_start, args.sample_device, resolve_dtype(args.dtype, args.sample_device), args.seed,
+                                args, shares_gpu=args.sample_device in policy_gpus)
+        ahead = RolloutsAhead(engine)
+        say(f"{args.rollout_backend} sampler in its own process on {args.sample_device}, up to {args.rollout_staleness} batch(es) ahead of the policy")
+    elif args.rollout_backend == "vllm":
         engine = VllmEngine(sampler_start, args.sample_device, dtype=str(resolve_dtype(args.dtype, args.sample_device)).removeprefix("torch."), seed=args.seed + ranks.rank,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
                             enforce_eager=args.vllm_enforce_eager, shares_gpu=args.sample_device in policy_gpus)
@@ -216,7 +231,7 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
     reference_model = None
     if args.kl_coef > 0 or args.old_policy == "reference" or args.log_reference_kl:
         reference_model = load_hf_model(base_model_checkpoint_path, args.reference_model_device, dtype).eval().requires_grad_(False)
-    if args.rollout_backend == "hf":
+    if args.rollout_backend == "hf" and not ahead:
         # sync every step in one process: sample with the policy itself; otherwise a copy
         # (a sharded policy cannot generate: ranks would run different numbers of forwards)
         own_copy = args.rollout_sync_every != 1 or ranks.world_size > 1
@@ -271,9 +286,25 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
             # 2. sample group_size responses per prompt
             # on some steps the sampler also returns its log-probs of the sampled ids, to log how far it is from the trainer
             started = time.perf_counter()
+            # (every step with --rollout_staleness: the importance weights need them)
             measure_gap = args.rollout_tokens == "ids" and args.sampler_logprobs_every > 0 and (step - 1) % args.sampler_logprobs_every == 0
-            step_sampling = replace(rollout_sampling, log_probs=measure_gap)
-            grouped_prompts, grouped_truths, generations = sample_rollouts(engine, prompts, ground_truths, args.group_size, step_sampling, args.seed * 100003 + step * 1009 + ranks.rank)
+            step_sampling = replace(rollout_sampling, log_probs=measure_gap or ahead is not None)
+            seed = args.seed * 100003 + step * 1009 + ranks.rank
+            if ahead:
+                # generated while the previous batch trained (or now, at the start of an epoch);
+                # then the next batches of this epoch go out, to generate while this one trains
+                grouped_prompts, grouped_truths = group_prompts(prompts, ground_truths, args.group_size)
+                generations, sampled_version = ahead.take(step, grouped_prompts, step_sampling, seed, sampler_version)
+                for later in range(1, args.rollout_staleness + 1):
+                    index = progress["batch_in_epoch"] - 1 + later  # that step's batch in this epoch's order
+                    if index < steps_per_epoch and step + later <= total_steps:
+                        rows = [dataset[i] for i in order[index * args.rollout_batch_size : (index + 1) * args.rollout_batch_size]]
+                        later_prompts, _ = group_prompts([row[0] for row in rows], [row[2] for row in rows], args.group_size)
+                        ahead.send(step + later, later_prompts, step_sampling, args.seed * 100003 + (step + later) * 1009, sampler_version)
+            else:
+                grouped_prompts, grouped_truths, generations = sample_rollouts(engine, prompts, ground_truths, args.group_size, step_sampling, seed)
+                sampled_version = sampler_version
+            staleness = progress["policy_version"] - sampled_version  # updates between the sampler's weights and the policy's
             responses = [g.text for g in generations]
             timings["rollout"] = time.perf_counter() - started
             generated_tokens = ranks.sum(sum(g.num_tokens for g in generations))
@@ -307,7 +338,7 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
             scoring = {"chunk_size": args.logprob_chunk_size, "temperature": args.scoring_temperature, "compute_dtype": dtype}
             if has_signal and reference_model is not None:
                 batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, **scoring)
-            if has_signal and args.loss_type == "grpo_clip" and args.old_policy == "rollout" and not single_step_per_batch:
+            if has_signal and args.loss_type == "grpo_clip" and args.old_policy == "rollout" and not single_step_per_batch and not ahead:  # (ahead: the sampler's are the old)
                 batch["old_log_probs"] = score_with(model, batch, args.train_mini_batch_size, main_device, **scoring)
             timings["logprobs"] = time.perf_counter() - started
 
@@ -320,8 +351,14 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
                 progress["zero_signal_batches"] += 1
                 say(f"step {step}: every group has equal rewards, no learning signal; update skipped", flush=True)
             timings["update"] = time.perf_counter() - started
+            totals["staleness"] = staleness
             if totals["optimizer_steps"]:
                 progress["policy_version"] += 1
+                if ahead:  # queued behind the batches sent ahead: they keep the weights they were sent with
+                    started = time.perf_counter()
+                    engine.load_weights(ranks.full_weights(model))
+                    sampler_version = progress["policy_version"]
+                    timings["sync"] += time.perf_counter() - started
             progress["skipped_steps"] += totals["skipped_steps"]
             skipped_in_a_row = skipped_in_a_row + 1 if totals["skipped_steps"] and not totals["optimizer_steps"] else 0
             if skipped_in_a_row >= args.max_skipped_steps:
@@ -427,6 +464,10 @@ def _log_step(writer, args, progress, total_steps, reward_meta, totals, timings,
         "train/sampler_logprob_abs_diff": totals["sampler_abs_diff"] / (totals["sampler_tokens"] or nan),
         "train/sampler_importance_ratio": totals["sampler_ratio"] / (totals["sampler_tokens"] or nan),
         "train/sampler_importance_ratio_max": totals["sampler_ratio_max"] if totals["sampler_tokens"] else nan,
+        # with --rollout_staleness: updates between the weights that sampled the batch and the policy,
+        # and the share of tokens whose importance weight was capped at --tis_cap
+        "train/staleness": totals.get("staleness", 0),
+        "train/tis_capped_fraction": totals["tis_capped"] / totals["sampler_tokens"] if args.rollout_staleness and totals["sampler_tokens"] else nan,
         "train/response_length": generated_tokens / args.total_rollouts,
         "train/lr": learning_rate,
         "train/skipped_steps": progress["skipped_steps"],

@@ -1,0 +1,135 @@
+"""The rollout engine in its own process, so it generates while the policy trains.
+
+train_rl --rollout_staleness N (one step off policy for N = 1): the trainer sends the
+next batches' prompts before it trains on the current one, and the engine process
+generates them meanwhile. An engine process, not a thread: vLLM's scheduling and
+detokenisation would fight the training loop for the GIL.
+
+Requests run in the order they are sent, so a weight load sent after batch k+1's
+prompts reaches the engine after batch k+1 and before batch k+2: each batch is
+sampled by the weights that were sent before it. `RolloutsAhead` records which
+weights version that was, so train_rl can log (and bound) the staleness.
+
+Weights cross the process boundary as tensors through torch.multiprocessing: CPU
+tensors in shared memory, CUDA tensors as IPC handles (no copy through the host).
+The trainer sends a copy (the policy keeps training while the engine has not yet
+loaded it) and holds it until the engine has.
+"""
+
+import functools
+import queue
+import signal
+import traceback
+
+import torch
+import torch.multiprocessing
+
+from alignment.rollout import build_engine
+
+
+class SamplerProcessError(RuntimeError):
+    """The engine process failed; the message holds its traceback."""
+
+
+def _serve(make_engine, requests, replies) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (it saves, then closes us)
+    try:
+        engine = make_engine()
+    except BaseException:
+        replies.put((0, "error", traceback.format_exc()))
+        return
+    replies.put((0, "ready", None))
+    while True:
+        ticket, kind, payload = requests.get()
+        if kind == "stop":
+            break
+        try:
+            if kind == "generate":
+                prompts, sampling, seed = payload
+                torch.manual_seed(seed)  # the HF backend samples from torch's RNG
+                replies.put((ticket, "done", engine.generate(prompts, sampling)))
+            else:  # "load"
+                engine.load_weights(payload)
+                replies.put((ticket, "done", None))
+        except BaseException:
+            replies.put((ticket, "error", traceback.format_exc()))
+    engine.close()
+
+
+class SamplerProcess:
+    """An engine (vLLM or HF, as `build_engine` makes it) served by a child process.
+
+    `submit` returns a ticket at once and `result(ticket)` waits for it; `generate`
+    and `load_weights` keep the in-process engine's interface (evaluation uses them).
+    """
+
+    def __init__(self, backend: str, model_path, device: str, dtype: torch.dtype, seed: int, args, shares_gpu: bool = False):
+        context = torch.multiprocessing.get_context("spawn")
+        self._requests, self._replies = context.Queue(), context.Queue()
+        make_engine = functools.partial(build_engine, backend, str(model_path), device, dtype, seed, args, shares_gpu=shares_gpu)
+        # daemon: the engine dies with the trainer, whatever stops it
+        self._process = context.Process(target=_serve, args=(make_engine, self._requests, self._replies), daemon=True, name="sampler")
+        self._process.start()
+        self._dtype = dtype
+        self._tickets, self._results, self._held = 0, {}, {}
+        self.result(0)  # the engine is up (or its start-up error is raised here)
+
+    def submit(self, prompts: list[str], sampling, seed: int) -> int:
+        return self._send("generate", (list(prompts), sampling, seed))
+
+    def load_weights(self, named_tensors) -> None:
+        """Queue a weight load behind the requests already sent; returns at once. The tensors
+        are copied in the engine's dtype (fp32 master weights travel as bf16 on GPUs)."""
+        tensors = [(name, tensor.detach().to(self._dtype, copy=True) if tensor.is_floating_point() else tensor.detach().clone())
+                   for name, tensor in named_tensors]
+        ticket = self._send("load", tensors)
+        self._held[ticket] = tensors  # alive until the engine has loaded them (IPC handles)
+
+    def generate(self, prompts: list[str], sampling) -> list:
+        return self.result(self.submit(prompts, sampling, torch.initial_seed() % 2**31))
+
+    def result(self, ticket: int):
+        while ticket not in self._results:
+            try:
+                done, status, payload = self._replies.get(timeout=5.0)
+            except queue.Empty:
+                if not self._process.is_alive():
+                    raise SamplerProcessError(f"the sampler process died (exit code {self._process.exitcode}) with requests pending") from None
+                continue
+            self._held.pop(done, None)
+            if status == "error":
+                raise SamplerProcessError(f"the sampler process failed:\n{payload}")
+            self._results[done] = payload
+        return self._results.pop(ticket)
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._requests.put((-1, "stop", None))
+            self._process.join(timeout=60)
+        if self._process.is_alive():
+            self._process.terminate()
+        self._held.clear()
+
+    def _send(self, kind: str, payload) -> int:
+        self._tickets += 1
+        self._requests.put((self._tickets, kind, payload))
+        return self._tickets
+
+
+class RolloutsAhead:
+    """Rollout batches sent to a SamplerProcess before their step, and the weights
+    version each was sampled with (the last version sent before it)."""
+
+    def __init__(self, sampler: SamplerProcess):
+        self.sampler = sampler
+        self.pending = {}  # step -> (ticket, weights version)
+
+    def send(self, step: int, prompts: list[str], sampling, seed: int, weights_version: int) -> None:
+        if step not in self.pending:
+            self.pending[step] = (self.sampler.submit(prompts, sampling, seed), weights_version)
+
+    def take(self, step: int, prompts: list[str], sampling, seed: int, weights_version: int) -> tuple[list, int]:
+        """This step's generations (sent now if they were not sent ahead) and their weights version."""
+        self.send(step, prompts, sampling, seed, weights_version)
+        ticket, version = self.pending.pop(step)
+        return self.sampler.result(ticket), version

@@ -1,0 +1,103 @@
+"""train_rl --rollout_staleness: the sampler in its own process, generating ahead of the
+policy, and the truncated importance sampling that corrects for it (CPU, tiny model)."""
+
+import json
+
+import pytest
+import torch
+
+from alignment import train_rl
+from alignment.args import parse_rl_args
+from alignment.errors import UserError
+from alignment.grpo import grpo_microbatch_train_step
+from alignment.rollout import SamplingSettings
+from alignment.sampler_process import RolloutsAhead, SamplerProcess
+from conftest import make_tiny_task
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return make_tiny_task(tmp_path_factory.mktemp("async"), num_train=48, num_test=8, seed=2)
+
+
+def rl_flags(task, name, *extra):
+    return [
+        "--sft_checkpoint_path", str(task.sft), "--checkpoint_path", str(task.root / name / "rl"), "--data_dir", str(task.data),
+        "--log_dir", str(task.root / "runs"), "--run_name", name, "--layout", "auto", "--rollout_backend", "hf",
+        "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "8", "--sampling_max_tokens", "12",
+        "--eval_max_tokens", "12", "--eval_num_examples", "4", "--evaluate_freq", "0", "--sampling_temperature", "0.7",
+        "--kl_coef", "0.05",  # the random model earns no reward: KL keeps the update running
+        *extra,
+    ]
+
+
+def steps_of(task, name):
+    return [json.loads(line) for line in open(task.root / "runs" / name / "steps.jsonl")]
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_staleness_stays_within_the_bound(task, staleness):
+    name = f"ahead_{staleness}"
+    train_rl.main(rl_flags(task, name, "--rollout_staleness", str(staleness), "--max_steps", "5", "--learning_rate", "1e-3"))
+    steps = steps_of(task, name)
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
+    lags = [s["train/staleness"] for s in steps]
+    # the first batch comes from the start weights; the next ones were sent `staleness` steps ahead
+    assert lags[0] == 0 and max(lags) == staleness and all(0 <= lag <= staleness for lag in lags), lags
+    # the sampler's log-probs come back every step (they weight the gradient)
+    assert all(s["train/sampler_importance_ratio"] is not None and s["train/tis_capped_fraction"] is not None for s in steps)
+    assert (task.root / name / "rl" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_importance_weights_are_one_when_the_sampler_holds_the_trainers_weights(task, backend):
+    # lr so small that no fp32 weight moves: the sampler one step behind holds the same weights
+    # (no minimum length and no repetition penalty: those make the sampler's distribution differ)
+    name = f"same_weights_{backend}"
+    train_rl.main(rl_flags(task, name, "--rollout_staleness", "1", "--max_steps", "3", "--learning_rate", "1e-15", "--rollout_backend", backend,
+                           "--vllm_kv_cache_gb", "0.25", "--sampling_min_tokens", "0", "--repetition_penalty", "1.0"))
+    steps = steps_of(task, name)
+    assert [s["train/staleness"] for s in steps] == [0, 1, 1]
+    for s in steps:
+        assert s["train/sampler_importance_ratio"] == pytest.approx(1.0, abs=1e-4)
+        assert s["train/sampler_importance_ratio_max"] == pytest.approx(1.0, abs=1e-3)
+        assert s["train/tis_capped_fraction"] == 0.0
+
+
+def test_sampler_process_runs_requests_in_order(task):
+    from types import SimpleNamespace
+
+    sampler = SamplerProcess("hf", task.sft, "cpu", torch.float32, 0, SimpleNamespace(hf_batch_size=8))
+    try:
+        sampling = SamplingSettings(temperature=0.7, max_tokens=8, log_probs=True)
+        ahead = RolloutsAhead(sampler)
+        ahead.send(2, ["User: 1 + 1?\nAssistant: <think>"] * 2, sampling, seed=5, weights_version=0)
+        # a weight load sent after batch 2 reaches the engine after it: batch 2 keeps version 0
+        from safetensors.torch import load_file
+
+        weights = load_file(str(task.sft / "model.safetensors"))
+        sampler.load_weights((name, torch.zeros_like(tensor)) for name, tensor in weights.items())
+        generations, version = ahead.take(2, ["User: 1 + 1?\nAssistant: <think>"] * 2, sampling, seed=5, weights_version=1)
+        assert version == 0 and len(generations) == 2 and all(len(g.log_probs) == g.num_tokens for g in generations)
+        assert any(g.num_tokens > 1 for g in generations)  # sampled by the real weights
+        zeroed = sampler.generate(["User: 1 + 1?\nAssistant: <think>"], sampling)
+        # all-zero weights give uniform logits: every token's log-prob is -log(vocab) / T-scaled alike
+        assert len(set(round(lp, 4) for lp in zeroed[0].log_probs)) == 1
+    finally:
+        sampler.close()
+    assert not sampler._process.is_alive()
+
+
+def test_truncated_importance_weights_scale_the_policy_gradient():
+    log_probs = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    mask = torch.tensor([[True, True, False]])
+    weights = torch.tensor([[0.5, 2.0, 7.0]])
+    advantages = torch.tensor([[1.5]])
+    grpo_microbatch_train_step(log_probs, mask, 1, "reinforce_with_baseline", advantages=advantages, importance_weights=weights)
+    # d/dlogp of mean over 2 response tokens of -A * w * logp
+    assert torch.allclose(log_probs.grad, torch.tensor([[-1.5 * 0.5 / 2, -1.5 * 2.0 / 2, 0.0]]))
+
+
+def test_staleness_needs_a_sampler_that_follows_the_policy(task):
+    with pytest.raises(UserError, match="--rollout_sync_every 1"):
+        parse_rl_args(rl_flags(task, "bad", "--rollout_staleness", "1", "--rollout_sync_every", "0"))
