@@ -96,6 +96,12 @@ def group_prompts(prompts, ground_truths, group_size):
     return [p for p in prompts for _ in range(group_size)], [gt for gt in ground_truths for _ in range(group_size)]
 
 
+def epoch_batch(dataset, order, index, batch_size):
+    """Prompts and answers of batch `index` in an epoch's `order`, as the DataLoader yields them."""
+    rows = [dataset[i] for i in order[index * batch_size : (index + 1) * batch_size]]
+    return [row[0] for row in rows], [row[2] for row in rows]
+
+
 def sample_rollouts(engine, prompts, ground_truths, group_size, sampling, seed):
     """Repeat each prompt group_size times (seed) and sample one response each."""
     grouped_prompts, grouped_ground_truths = group_prompts(prompts, ground_truths, group_size)
@@ -256,7 +262,8 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
         set_peak_learning_rate(optimizer, scheduler, args.learning_rate)  # a changed --learning_rate takes effect
         progress.update({key: state[key] for key in progress if key != "world_size"})
         say(f"resumed from {args.state_dir} at step {progress['step']} (epoch {progress['epoch']}, batch {progress['batch_in_epoch']})")
-    sampler_version, skipped_in_a_row = progress["policy_version"], 0  # the sampler starts from the resumed weights
+    # the sampler starts from the resumed weights (the seed's frozen sampler: from the start checkpoint)
+    sampler_version, skipped_in_a_row = (0 if args.rollout_sync_every == 0 else progress["policy_version"]), 0
 
     rollout_sampling = SamplingSettings.from_args(args, "sampling_")
     single_step_per_batch = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.total_rollouts
@@ -298,8 +305,7 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
                 for later in range(1, args.rollout_staleness + 1):
                     index = progress["batch_in_epoch"] - 1 + later  # that step's batch in this epoch's order
                     if index < steps_per_epoch and step + later <= total_steps:
-                        rows = [dataset[i] for i in order[index * args.rollout_batch_size : (index + 1) * args.rollout_batch_size]]
-                        later_prompts, _ = group_prompts([row[0] for row in rows], [row[2] for row in rows], args.group_size)
+                        later_prompts, _ = group_prompts(*epoch_batch(dataset, order, index, args.rollout_batch_size), args.group_size)
                         ahead.send(step + later, later_prompts, step_sampling, args.seed * 100003 + (step + later) * 1009, sampler_version)
             else:
                 grouped_prompts, grouped_truths, generations = sample_rollouts(engine, prompts, ground_truths, args.group_size, step_sampling, seed)

@@ -101,3 +101,8 @@ def test_truncated_importance_weights_scale_the_policy_gradient():
 def test_staleness_needs_a_sampler_that_follows_the_policy(task):
     with pytest.raises(UserError, match="--rollout_sync_every 1"):
         parse_rl_args(rl_flags(task, "bad", "--rollout_staleness", "1", "--rollout_sync_every", "0"))
+
+
+def test_staleness_of_the_seeds_frozen_sampler_counts_every_update(task):
+    train_rl.main(rl_flags(task, "frozen", "--rollout_sync_every", "0", "--max_steps", "3", "--learning_rate", "1e-3"))
+    assert [s["train/staleness"] for s in steps_of(task, "frozen")] == [0, 1, 2]
