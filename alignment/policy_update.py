@@ -69,8 +69,8 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
     # (.item()) would stall the host until the GPU drains, every microbatch
     sums = {key: torch.zeros((), device=main_device) for key in ("loss", "entropy", "clip_fraction", "kl_ref")}
     # rollouts from an older policy (train_rl --rollout_staleness): correct with the sampler's log-probs
-    behaviour = batch.get("sampler_log_probs") if getattr(args, "rollout_staleness", 0) else None
-    cap = args.tis_cap if behaviour is not None else float("inf")
+    behaviour = "sampler_log_probs" in batch and getattr(args, "rollout_staleness", 0) > 0
+    cap = args.tis_cap if behaviour else float("inf")
     for epoch in range(args.epochs_per_rollout_batch):
         order = torch.randperm(n_rollouts, generator=generator).tolist() if args.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
         for step_rows in _chunks(order, args.train_batch_size):
@@ -83,17 +83,19 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
                     model.set_requires_gradient_sync(index == len(microbatches) - 1)
                 width = max(lengths[row] for row in rows)
                 cpu_mask = batch["response_mask"][rows, :width]
-                input_ids, labels, mask = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels", "response_mask"))
+                input_ids, labels = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels"))
+                mask = cpu_mask.to(main_device)
                 ref = batch["ref_log_probs"][rows, :width].to(main_device) if "ref_log_probs" in batch else None
                 with autocast(main_device, compute_dtype):
                     out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=args.logprob_chunk_size,
                                                  temperature=args.scoring_temperature, positions=cpu_mask)
                 log_probs = out["log_probs"]
-                if "sampler_log_probs" in batch and epoch == 0 and totals["optimizer_steps"] + totals["skipped_steps"] == 0:
-                    mismatch = _add_mismatch(mismatch, log_probs.detach(), batch["sampler_log_probs"][rows, :width].to(log_probs.device), mask, cap)
+                sampler = batch["sampler_log_probs"][rows, :width].to(log_probs.device) if "sampler_log_probs" in batch else None
+                if sampler is not None and epoch == 0 and totals["optimizer_steps"] + totals["skipped_steps"] == 0:
+                    mismatch = _add_mismatch(mismatch, log_probs.detach(), sampler, mask, cap)
                 old = importance = sampled = None
-                if behaviour is not None:  # the sampler's log-probs, made finite off the response
-                    sampled = torch.where(mask.bool(), behaviour[rows, :width].to(log_probs.device), log_probs.detach())
+                if behaviour:  # the sampler's log-probs, made finite off the response
+                    sampled = torch.where(mask.bool(), sampler, log_probs.detach())
                 if args.loss_type == "grpo_clip":
                     if args.old_policy == "reference":
                         old = ref  # the seed: ratio against the frozen start checkpoint
