@@ -196,6 +196,22 @@ def _vllm_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def isolate_compile_caches(index: int) -> None:
+    """One set of compile caches per GPU index, for this process (one engine per process).
+
+    vLLM 0.26's compile caches (its graph cache and the AOT-compiled model) are not
+    keyed by GPU, and inductor's generated code names its device: artifacts compiled
+    on one GPU and loaded on another failed with "CUDA driver error: invalid argument"
+    (H200 x2). vLLM's cache root, inductor's and triton's each get a per-index folder
+    (under torchrun every rank's, GPU 0's included, since the ranks compile at once).
+    """
+    for variable, default in (("VLLM_CACHE_ROOT", "~/.cache/vllm"), ("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_" + os.environ.get("USER", "user")),
+                              ("TRITON_CACHE_DIR", "~/.triton/cache")):
+        root = os.environ.get(variable, os.path.expanduser(default))
+        if not root.rstrip("/").endswith(f"alignment_cuda{index}"):
+            os.environ[variable] = os.path.join(root, f"alignment_cuda{index}")
+
+
 # vLLM fuses some of Hugging Face's projections into one parameter (rows stacked in this order)
 _FUSED_SOURCES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -227,7 +243,8 @@ class VllmEngine:
         under_torchrun = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         # compiled engines under torchrun died in their first forward on an H200 x2
         # ("CUDA driver error: invalid argument", bench/RESULTS.md); eager ones ran
-        self.forced_eager = under_torchrun and device != "cpu" and not enforce_eager
+        # (ALIGNMENT_TRY_COMPILED_UNDER_TORCHRUN=1: the experiment with per-GPU compile caches)
+        self.forced_eager = under_torchrun and device != "cpu" and not enforce_eager and os.environ.get("ALIGNMENT_TRY_COMPILED_UNDER_TORCHRUN") != "1"
         kwargs = {"model": str(model_path), "dtype": dtype, "seed": seed, "enforce_eager": enforce_eager or self.forced_eager, "max_model_len": max_model_len,
                   # returned log-probs are those of the distribution sampled from (after
                   # penalties, temperature, top_p), not the raw model's
@@ -243,14 +260,8 @@ class VllmEngine:
             index = int(device.split(":")[1])
             if index and not under_torchrun:
                 kwargs["device_ids"] = [index]  # vLLM takes no device=; this pins the engine to one GPU
-            if index:
-                # vLLM 0.26's compile caches (its graph cache and the AOT-compiled model)
-                # are not keyed by GPU: artifacts compiled on one GPU and loaded on
-                # another failed with "CUDA driver error: invalid argument" (H200 x2).
-                # Keep one cache root per GPU index (one engine per process, so the
-                # process-wide variable is this engine's).
-                cache_root = os.environ.get("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm"))
-                os.environ["VLLM_CACHE_ROOT"] = os.path.join(cache_root, f"alignment_cuda{index}")
+            if index or under_torchrun:
+                isolate_compile_caches(index)
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization or (0.3 if shares_gpu else 0.85)
         previous = torch.cuda.current_device() if torch.cuda.is_available() else None
         started = time.perf_counter()

