@@ -216,11 +216,68 @@ def isolate_compile_caches(index: int) -> None:
 _FUSED_SOURCES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-class VllmEngine:
-    """An in-process vLLM `LLM` on one device, with in-place weight updates.
+def direct_copy_plan(engine_model, source_shapes: dict[str, torch.Size]):
+    """[(engine parameter, [source names])], or None if any parameter does not map."""
+    plan = []
+    embed = dict(engine_model.named_parameters()).get("model.embed_tokens.weight")
+    for name, parameter in engine_model.named_parameters():
+        prefix, _, leaf = name.rpartition(".")
+        module_prefix, _, module = prefix.rpartition(".")
+        if name == "lm_head.weight" and embed is not None and parameter.data_ptr() == embed.data_ptr():
+            continue  # tied to the embeddings, filled with them
+        sources = [f"{module_prefix}.{part}.{leaf}" for part in _FUSED_SOURCES[module]] if module in _FUSED_SOURCES else [name]
+        if any(s not in source_shapes for s in sources) or sum(source_shapes[s][0] for s in sources) != parameter.shape[0] \
+                or any(source_shapes[s][1:] != parameter.shape[1:] for s in sources):
+            return None
+        plan.append((parameter, sources))
+    return plan
 
-    In-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so weights are handed over as
-    tensors, never serialised. `load_weights` has two paths:
+
+def copy_by_plan(plan, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill each engine parameter in place from its source tensors (stacked as vLLM fuses them)."""
+    with torch.no_grad():
+        for parameter, sources in plan:
+            offset = 0
+            for source in sources:
+                rows = tensors[source].shape[0]
+                parameter.data[offset : offset + rows].copy_(tensors[source], non_blocking=True)
+                offset += rows
+
+
+def pack_tensors(named_tensors) -> bytes:
+    """(name, tensor) pairs as bytes another process can open without a copy: CUDA tensors
+    travel as IPC handles, CPU tensors through shared memory (torch.multiprocessing's
+    reductions). The sender keeps the tensors alive until the receiver has loaded them."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
+
+    return bytes(ForkingPickler.dumps([(name, tensor) for name, tensor in named_tensors]))
+
+
+def _load_packed_in_worker(worker, payload: bytes, device: str) -> str:
+    """Runs inside vLLM's engine-core process (collective_rpc): open the packed tensors, copy them in."""
+    import pickle
+
+    tensors = dict(pickle.loads(payload))
+    if device.startswith("cuda"):
+        plan = getattr(worker, "_alignment_plan", None)
+        if plan is None:
+            plan = direct_copy_plan(worker.get_model(), {k: v.shape for k, v in tensors.items()}) or False
+            worker._alignment_plan = plan
+        if plan:
+            copy_by_plan(plan, tensors)
+            torch.cuda.synchronize()
+            return "direct"
+    worker.reload_weights(weights_iterator=iter(tensors.items()))
+    return "reload_weights"
+
+
+class VllmEngine:
+    """A vLLM `LLM` on one device, with in-place weight updates.
+
+    In-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so weights are handed
+    over as tensors, never serialised. `load_weights` has two paths:
     - direct copy (GPU): each engine parameter is filled in place from the policy's
       tensors (q/k/v and gate/up stacked as vLLM fuses them), GPU to GPU, no
       temporary state dict; used when every parameter maps with matching shapes;
@@ -229,23 +286,28 @@ class VllmEngine:
     Either way the prefix cache is dropped afterwards: its KV entries were computed
     with the old weights. The same code runs on vLLM 0.26 and 0.32.
 
+    `engine_process=True` (the sampler process of --rollout_staleness) runs vLLM's
+    engine core in a process of its own, so the front end's per-token Python (text,
+    stop strings, log-prob bookkeeping) overlaps the GPU steps instead of adding to
+    them; weights then travel packed (`pack_tensors`: IPC handles, no copy) and the
+    same two paths run inside the engine-core process.
+
     Only one engine may live in a process at a time: closing one tears down vLLM's
     process-wide state, which breaks any other (the seed's temporary eval engine
     therefore runs in a child process; see evaluate.evaluate_in_subprocess).
     """
 
-    def __init__(self, model_path, device: str, dtype: str, seed: int, gpu_memory_utilization: float | None = None, kv_cache_gb: float = 1.0, enforce_eager: bool = False, max_model_len: int | None = None, shares_gpu: bool = False):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    def __init__(self, model_path, device: str, dtype: str, seed: int, gpu_memory_utilization: float | None = None, kv_cache_gb: float = 1.0,
+                 enforce_eager: bool = False, max_model_len: int | None = None, shares_gpu: bool = False, engine_process: bool = False):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
+        if engine_process:  # collective_rpc sends our load function to the engine core by pickle
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         try:
             from vllm import LLM
         except ImportError as error:
             raise UserError(f"vLLM is not importable ({error}); install it (see README) or pass --rollout_backend hf / --backend hf") from None
         under_torchrun = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-        # compiled engines under torchrun died in their first forward on an H200 x2
-        # ("CUDA driver error: invalid argument", bench/RESULTS.md); eager ones ran
-        # (ALIGNMENT_TRY_COMPILED_UNDER_TORCHRUN=1: the experiment with per-GPU compile caches)
-        self.forced_eager = under_torchrun and device != "cpu" and not enforce_eager and os.environ.get("ALIGNMENT_TRY_COMPILED_UNDER_TORCHRUN") != "1"
-        kwargs = {"model": str(model_path), "dtype": dtype, "seed": seed, "enforce_eager": enforce_eager or self.forced_eager, "max_model_len": max_model_len,
+        kwargs = {"model": str(model_path), "dtype": dtype, "seed": seed, "enforce_eager": enforce_eager, "max_model_len": max_model_len,
                   # returned log-probs are those of the distribution sampled from (after
                   # penalties, temperature, top_p), not the raw model's
                   "logprobs_mode": "processed_logprobs"}
@@ -263,13 +325,14 @@ class VllmEngine:
             if index or under_torchrun:
                 isolate_compile_caches(index)
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization or (0.3 if shares_gpu else 0.85)
-        previous = torch.cuda.current_device() if torch.cuda.is_available() else None
+        previous = torch.cuda.current_device() if torch.cuda.is_available() and not engine_process else None
         started = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - started
         if previous is not None:
             torch.cuda.set_device(previous)  # the engine made its GPU current; the policy code expects its own
         self.device = device
+        self.engine_process = engine_process
         self._direct_plan = None
         self.last_sync_path = None
 
@@ -277,7 +340,7 @@ class VllmEngine:
         """Run engine work with its GPU current (its kernels and graphs assume it)."""
         import contextlib
 
-        return torch.cuda.device(self.device) if self.device.startswith("cuda") else contextlib.nullcontext()
+        return torch.cuda.device(self.device) if self.device.startswith("cuda") and not self.engine_process else contextlib.nullcontext()
 
     def generate(self, prompts: list[str], sampling: SamplingSettings) -> list[Generation]:
         from vllm import SamplingParams
@@ -303,38 +366,30 @@ class VllmEngine:
             generations.append(Generation(text=output.text, num_tokens=len(ids), token_ids=ids, log_probs=log_probs))
         return generations
 
-    def _build_direct_plan(self, source_shapes: dict[str, torch.Size]):
-        """[(engine parameter, [source names])], or None if any parameter does not map."""
-        engine_model = self.llm.apply_model(lambda model: model)[0]  # in-process: the module itself
-        plan = []
-        embed = dict(engine_model.named_parameters()).get("model.embed_tokens.weight")
-        for name, parameter in engine_model.named_parameters():
-            prefix, _, leaf = name.rpartition(".")
-            module_prefix, _, module = prefix.rpartition(".")
-            if name == "lm_head.weight" and embed is not None and parameter.data_ptr() == embed.data_ptr():
-                continue  # tied to the embeddings, filled with them
-            sources = [f"{module_prefix}.{part}.{leaf}" for part in _FUSED_SOURCES[module]] if module in _FUSED_SOURCES else [name]
-            if any(s not in source_shapes for s in sources) or sum(source_shapes[s][0] for s in sources) != parameter.shape[0] \
-                    or any(source_shapes[s][1:] != parameter.shape[1:] for s in sources):
-                return None
-            plan.append((parameter, sources))
-        return plan
+    def load_packed(self, payload: bytes) -> None:
+        """Load weights packed by `pack_tensors` (in another process, which keeps them alive until this returns)."""
+        if self.engine_process:
+            self.last_sync_path = self.llm.collective_rpc(_load_packed_in_worker, args=(payload, self.device))[0]
+            self.llm.reset_prefix_cache()
+        else:
+            import pickle
+
+            self.load_weights(pickle.loads(payload))
 
     def load_weights(self, named_tensors) -> None:
         """Copy the policy's weights (checkpoint names) into the engine."""
+        if self.engine_process:
+            tensors = list(named_tensors)  # alive until the engine core has copied them
+            self.load_packed(pack_tensors(tensors))
+            return
         with self._on_device():
             if self.device.startswith("cuda"):
                 tensors = dict(named_tensors)
                 if self._direct_plan is None:
-                    self._direct_plan = self._build_direct_plan({k: v.shape for k, v in tensors.items()}) or False
+                    engine_model = self.llm.apply_model(lambda model: model)[0]  # in-process: the module itself
+                    self._direct_plan = direct_copy_plan(engine_model, {k: v.shape for k, v in tensors.items()}) or False
                 if self._direct_plan:
-                    with torch.no_grad():
-                        for parameter, sources in self._direct_plan:
-                            offset = 0
-                            for source in sources:
-                                rows = tensors[source].shape[0]
-                                parameter.data[offset : offset + rows].copy_(tensors[source], non_blocking=True)
-                                offset += rows
+                    copy_by_plan(self._direct_plan, tensors)
                     torch.cuda.synchronize(self.device)
                     self.last_sync_path = "direct"
                 else:
@@ -388,13 +443,14 @@ def load_tokenizer(model_path):
     return tokenizer
 
 
-def build_engine(backend: str, model_path, device: str, dtype: torch.dtype, seed: int, args, tokenizer=None, shares_gpu: bool = False):
-    """A rollout/eval engine for `model_path` on `device` (`backend` vllm or hf)."""
+def build_engine(backend: str, model_path, device: str, dtype: torch.dtype, seed: int, args, tokenizer=None, shares_gpu: bool = False,
+                 engine_process: bool = False):
+    """A rollout/eval engine for `model_path` on `device` (`backend` vllm or hf; `engine_process`: see VllmEngine)."""
     if backend == "vllm":
         return VllmEngine(
             model_path, device, dtype=str(dtype).removeprefix("torch."), seed=seed,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
-            enforce_eager=args.vllm_enforce_eager, shares_gpu=shares_gpu,
+            enforce_eager=args.vllm_enforce_eager, shares_gpu=shares_gpu, engine_process=engine_process,
         )
     tokenizer = tokenizer or load_tokenizer(model_path)
     return HfEngine(load_hf_model(model_path, device, dtype), tokenizer, batch_size=args.hf_batch_size)

@@ -10,13 +10,17 @@ prompts reaches the engine after batch k+1 and before batch k+2: each batch is
 sampled by the weights that were sent before it. `RolloutsAhead` records which
 weights version that was, so train_rl can log (and bound) the staleness.
 
-Weights cross the process boundary as tensors through torch.multiprocessing: CPU
-tensors in shared memory, CUDA tensors as IPC handles (no copy through the host).
-The trainer sends a copy (the policy keeps training while the engine has not yet
-loaded it) and holds it until the engine has.
+Weights cross the process boundaries packed by torch.multiprocessing's reductions
+(`rollout.pack_tensors`): CPU tensors in shared memory, CUDA tensors as IPC handles
+(no copy through the host), opened where they are copied in (for vLLM, its
+engine-core process). The trainer sends a copy (the policy keeps training while the
+engine has not yet loaded it) and holds it until the engine has.
 """
 
+import atexit
 import functools
+import os
+import pickle
 import queue
 import signal
 import time
@@ -25,14 +29,14 @@ import traceback
 import torch
 import torch.multiprocessing
 
-from alignment.rollout import build_engine
+from alignment.rollout import build_engine, pack_tensors
 
 
 class SamplerProcessError(RuntimeError):
     """The engine process failed; the message holds its traceback."""
 
 
-def _serve(make_engine, requests, replies) -> None:
+def _serve(make_engine, requests, replies, trainer_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (it saves, then closes us)
     try:
         engine = make_engine()
@@ -41,7 +45,12 @@ def _serve(make_engine, requests, replies) -> None:
         return
     replies.put((0, "ready", None, 0.0))
     while True:
-        ticket, kind, payload = requests.get()
+        try:
+            ticket, kind, payload = requests.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != trainer_pid:  # the trainer died without closing us (killed): end with it
+                break
+            continue
         if kind == "stop":
             break
         started = time.perf_counter()  # the engine's own time for the request (the overlap's measure)
@@ -50,8 +59,11 @@ def _serve(make_engine, requests, replies) -> None:
                 prompts, sampling, seed = payload
                 torch.manual_seed(seed)  # the HF backend samples from torch's RNG
                 result = engine.generate(prompts, sampling)
-            else:  # "load"
-                engine.load_weights(payload)
+            else:  # "load": packed tensors (IPC handles / shared memory), opened where they are copied in
+                if hasattr(engine, "load_packed"):
+                    engine.load_packed(payload)
+                else:
+                    engine.load_weights(pickle.loads(payload))
                 result = None
             replies.put((ticket, "done", result, time.perf_counter() - started))
         except BaseException:
@@ -71,10 +83,14 @@ class SamplerProcess:
     def __init__(self, backend: str, model_path, device: str, dtype: torch.dtype, seed: int, args, shares_gpu: bool = False):
         context = torch.multiprocessing.get_context("spawn")
         self._requests, self._replies = context.Queue(), context.Queue()
-        make_engine = functools.partial(build_engine, backend, str(model_path), device, dtype, seed, args, shares_gpu=shares_gpu)
-        # daemon: the engine dies with the trainer, whatever stops it
-        self._process = context.Process(target=_serve, args=(make_engine, self._requests, self._replies), daemon=True, name="sampler")
+        # vLLM's engine core in a process of its own again: its front end's per-token Python
+        # (stop strings, log-probs) then overlaps the GPU steps (bench/RESULTS.md)
+        make_engine = functools.partial(build_engine, backend, str(model_path), device, dtype, seed, args, shares_gpu=shares_gpu, engine_process=True)
+        # not a daemon: vLLM's engine core is a process of its own, and daemons may have no
+        # children; the trainer closes it on exit (atexit), and it ends itself if the trainer dies
+        self._process = context.Process(target=_serve, args=(make_engine, self._requests, self._replies, os.getpid()), name="sampler")
         self._process.start()
+        atexit.register(self.close)
         self._dtype = dtype
         self._tickets, self._results, self._held, self._kinds = 0, {}, {}, {}
         self.seconds = {}
@@ -88,7 +104,7 @@ class SamplerProcess:
         are copied in the engine's dtype (fp32 master weights travel as bf16 on GPUs)."""
         tensors = [(name, tensor.detach().to(self._dtype, copy=True) if tensor.is_floating_point() else tensor.detach().clone())
                    for name, tensor in named_tensors]
-        ticket = self._send("load", tensors)
+        ticket = self._send("load", pack_tensors(tensors))
         self._held[ticket] = tensors  # alive until the engine has loaded them (IPC handles)
 
     def generate(self, prompts: list[str], sampling) -> list:
@@ -113,6 +129,7 @@ class SamplerProcess:
         return self._results.pop(ticket)
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         if self._process.is_alive():
             self._requests.put((-1, "stop", None))
             self._process.join(timeout=60)

@@ -214,8 +214,7 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
         engine = VllmEngine(sampler_start, args.sample_device, dtype=str(resolve_dtype(args.dtype, args.sample_device)).removeprefix("torch."), seed=args.seed + ranks.rank,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
                             enforce_eager=args.vllm_enforce_eager, shares_gpu=args.sample_device in policy_gpus)
-        say(f"vLLM sampler on {args.sample_device} started in {engine.start_seconds:.1f}s"
-            + (" (eager: compiled engines failed under torchrun on GPUs; see bench/RESULTS.md)" if engine.forced_eager else ""))
+        say(f"vLLM sampler on {args.sample_device} started in {engine.start_seconds:.1f}s")
     model = load_hf_model(start_weights, "cpu", policy_dtype)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -55,7 +55,7 @@ for stage in $stages; do
       run_stage x2_sync python3 bench/bench_step.py --gpus 2 --steps 6 --extra="--torch_compile --sampler_logprobs_every 0" --tag sync --out "$results" ;;
     x2_fsdp)  # compiled engines under torchrun, each rank with its own compile caches
       wait $builder ${side:-}
-      ALIGNMENT_TRY_COMPILED_UNDER_TORCHRUN=1 run_stage x2_fsdp python3 bench/bench_step.py --gpus 2 --fsdp --steps 6 \
+      run_stage x2_fsdp python3 bench/bench_step.py --gpus 2 --fsdp --steps 6 \
         --extra="--torch_compile --sampler_logprobs_every 0" --tag compiled --out "$results" ;;
     demo)
       run_stage demo python3 -m alignment.toy.demo --out /tmp/demo --checkpoints /tmp/demo_ckpt

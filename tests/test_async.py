@@ -68,10 +68,13 @@ def test_importance_weights_are_one_when_the_sampler_holds_the_trainers_weights(
         assert s["train/tis_capped_fraction"] == 0.0
 
 
-def test_sampler_process_runs_requests_in_order(task):
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_sampler_process_runs_requests_in_order(task, backend):
+    # vllm: the engine core runs in a process of its own; the weights reach it packed (pack_tensors)
     from types import SimpleNamespace
 
-    sampler = SamplerProcess("hf", task.sft, "cpu", torch.float32, 0, SimpleNamespace(hf_batch_size=8))
+    args = SimpleNamespace(hf_batch_size=8, vllm_gpu_memory_utilization=None, vllm_kv_cache_gb=0.25, vllm_enforce_eager=False)
+    sampler = SamplerProcess(backend, task.sft, "cpu", torch.float32, 0, args)
     try:
         sampling = SamplingSettings(temperature=0.7, max_tokens=8, log_probs=True)
         ahead = RolloutsAhead(sampler)
