@@ -32,10 +32,11 @@ class SamplingSettings:
     stop: tuple[str, ...] = STOP_STRINGS
     # also return each sampled token's log-prob under the distribution it was drawn
     # from (after repetition penalty, temperature and top_p), to measure how far the
-    # sampler is from the trainer's scoring. Not free: a vLLM batch in which any request
-    # asks for log-probs ran at half speed on an H200 (W1: 17k tokens/s with 1 request
-    # in 16 asking, 14k with all, 38k with none), so train_rl asks on some steps only
-    # (--sampler_logprobs_every).
+    # sampler is from the trainer's scoring. Not free: vLLM's front end turns each returned
+    # log-prob into Python objects (its text decoded) between decode steps, and W1 on an
+    # H200 ran at 19k tokens/s with every request asking, 30k with 1 in 16, 39k with none
+    # (bench/bench_sampler_logprobs.py), so train_rl asks on some steps only
+    # (--sampler_logprobs_every) unless the engine core runs in its own process.
     log_probs: bool = False
 
     @property
