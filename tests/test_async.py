@@ -113,3 +113,61 @@ def test_staleness_needs_a_sampler_that_follows_the_policy(task):
 def test_staleness_of_the_seeds_frozen_sampler_counts_every_update(task):
     train_rl.main(rl_flags(task, "frozen", "--rollout_sync_every", "0", "--max_steps", "3", "--learning_rate", "1e-3"))
     assert [s["train/staleness"] for s in steps_of(task, "frozen")] == [0, 1, 2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    import glob
+
+    found = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        with open(path) as handle:
+            found += [int(child) for child in handle.read().split()]
+    return found
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
+def test_a_killed_trainer_leaves_no_sampler_or_engine_process_behind(task, tmp_path):
+    # the sampler process is no daemon (vLLM's engine core is its child): it must notice a
+    # trainer killed without a word (SIGKILL, the OOM killer) and end, taking the engine core along
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys, time, torch\n"
+        "from types import SimpleNamespace\n"
+        "from alignment.sampler_process import SamplerProcess\n"
+        "args = SimpleNamespace(hf_batch_size=8, vllm_gpu_memory_utilization=None, vllm_kv_cache_gb=0.25, vllm_enforce_eager=False)\n"
+        f"sampler = SamplerProcess('vllm', {str(task.sft)!r}, 'cpu', torch.float32, 0, args)\n"
+        "print('SAMPLER_PID', sampler._process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    log = open(tmp_path / "trainer.log", "w+")  # not a pipe: a full pipe would block the sampler's last words
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path),
+                               env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[1])})
+    try:
+        started = time.monotonic()
+        while "SAMPLER_PID" not in (text := (tmp_path / "trainer.log").read_text()):  # vLLM logs to stdout too
+            assert trainer.poll() is None and time.monotonic() - started < 300, "the trainer ended before its sampler started:\n" + text[-2000:]
+            time.sleep(0.2)
+        sampler_pid = int(text.split("SAMPLER_PID", 1)[1].split()[0])
+        engine_pids = _children(sampler_pid)
+        assert engine_pids, "vLLM's engine core should run as the sampler process's child"
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(_alive(pid) for pid in [sampler_pid, *engine_pids]):
+            time.sleep(0.5)
+        assert not any(_alive(pid) for pid in [sampler_pid, *engine_pids]), "sampler or engine core outlived the trainer"
+        print(f"sampler and engine core gone {time.monotonic() - (deadline - 60):.1f}s after the trainer was killed")
+    finally:
+        trainer.kill()
