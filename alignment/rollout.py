@@ -251,8 +251,9 @@ def pack_tensors(named_tensors) -> bytes:
     reductions). The sender keeps the tensors alive until the receiver has loaded them."""
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
+    from torch.multiprocessing import reductions
 
+    reductions.init_reductions()  # the tensor reductions, registered with ForkingPickler (idempotent)
     return bytes(ForkingPickler.dumps([(name, tensor) for name, tensor in named_tensors]))
 
 
