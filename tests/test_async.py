@@ -171,3 +171,38 @@ def test_a_killed_trainer_leaves_no_sampler_or_engine_process_behind(task, tmp_p
         print(f"sampler and engine core gone {time.monotonic() - (deadline - 60):.1f}s after the trainer was killed")
     finally:
         trainer.kill()
+
+
+def test_a_killed_one_step_off_run_resumes_and_restarts_its_pipeline(task):
+    # SIGKILL after the step-2 state is saved (batch 3 was already generating), then --resume:
+    # the run finishes its 4 steps, and its first resumed batch comes from the resumed weights
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from alignment.checkpoint import has_training_state
+
+    repo = Path(__file__).resolve().parents[1]
+    name = "resumed"
+    run = rl_flags(task, name, "--rollout_staleness", "1", "--max_steps", "4", "--save_state_every", "1", "--learning_rate", "1e-3")
+    process = subprocess.Popen([sys.executable, "-m", "alignment.train_rl", *run], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+    deadline = time.time() + 300
+    for line in process.stdout:
+        if line.startswith("saved training state at step 2"):
+            process.send_signal(signal.SIGKILL)
+            break
+        assert time.time() < deadline
+    process.wait()
+    state_dir = task.root / name / "rl.state"
+    assert has_training_state(state_dir)
+
+    train_rl.main([*run, "--resume"])
+    steps = steps_of(task, name)
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    # steps 1-2 before the kill (0, then one step off); the resumed pipeline starts over at 0
+    assert [s["train/staleness"] for s in steps] == [0, 1, 0, 1]
+    assert (task.root / name / "rl" / "model.safetensors").is_file() and not state_dir.exists()
