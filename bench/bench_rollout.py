@@ -79,12 +79,15 @@ def main():
     parser.add_argument("--new_tokens", type=int, default=512)
     parser.add_argument("--hf_prompts", type=int, default=None, help="prompts for the HF generate row (default --num_prompts)")
     parser.add_argument("--skip_eager", action="store_true", help="skip the --enforce_eager engine rows")
+    parser.add_argument("--engine_process", action="store_true",
+                        help="only the sync proof, on an eager engine whose core runs in its own process (VllmEngine(engine_process=True), "
+                             "as the one-step-off sampler runs it): weights travel packed as IPC handles")
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench"))
     args = parser.parse_args()
 
     device, policy_device = args.device, args.policy_device or args.device
     tiny = args.tiny
-    name = "rollout" + ("_tiny" if tiny else "")
+    name = "rollout" + ("_engine_process" if args.engine_process else "") + ("_tiny" if tiny else "")
     checkpoint = build_checkpoint(args.checkpoint or REPO_ROOT / "runs" / "bench" / ("model_tiny" if tiny else "model"), tiny)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     dtype_name = str(dtype).removeprefix("torch.")
@@ -94,18 +97,19 @@ def main():
 
     policy = load_hf_model(checkpoint, policy_device, dtype)
     tokenizer = load_tokenizer(checkpoint)
-    for enforce_eager in ([False] if args.skip_eager else [False, True]):
+    for enforce_eager in ([True] if args.engine_process else [False] if args.skip_eager else [False, True]):
         engine = VllmEngine(checkpoint, device, dtype=dtype_name, seed=0, kv_cache_gb=1.0, enforce_eager=enforce_eager,
-                            shares_gpu=device == policy_device, max_model_len=2048)
+                            shares_gpu=device == policy_device, max_model_len=2048, engine_process=args.engine_process)
         label = "vllm_eager" if enforce_eager else "vllm"
         rows.append({"row": f"{label}_start", "seconds": engine.start_seconds})
         write_result(args.out, name, rows)
-        seconds, times = timed(lambda: engine.generate(prompts, sampling), device, repeats=2, warmup=1)
-        tokens = len(prompts) * args.new_tokens
-        rows.append({"row": f"{label}_generate", "prompts": len(prompts), "new_tokens": args.new_tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds, "times": times})
-        write_result(args.out, name, rows)
+        if not args.engine_process:
+            seconds, times = timed(lambda: engine.generate(prompts, sampling), device, repeats=2, warmup=1)
+            tokens = len(prompts) * args.new_tokens
+            rows.append({"row": f"{label}_generate", "prompts": len(prompts), "new_tokens": args.new_tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds, "times": times})
+            write_result(args.out, name, rows)
 
-        if not enforce_eager:
+        if not enforce_eager or args.engine_process:
             probe = prompts[:16]
             target = copy.deepcopy(policy)
             perturb(target, seed=1, scale=0.02)
@@ -123,6 +127,9 @@ def main():
                 "greedy_match_after_sync": greedy_match,
             })
             write_result(args.out, name, rows)
+            if args.engine_process:
+                engine.close()
+                return
             engine._direct_plan = False  # the supported reload path, for comparison
             seconds, times = timed(lambda: engine.load_weights(target.state_dict().items()), device, repeats=3, warmup=1)
             after = vllm_token_log_probs(engine, probe, 32)
