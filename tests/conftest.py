@@ -53,3 +53,22 @@ def make_tiny_task(root: Path, num_train: int, num_test: int, seed: int) -> Simp
     data = write_synthetic_gsm8k(root / "data", num_train=num_train, num_test=num_test, seed=seed)
     sft = build_tiny_checkpoint(root / "sft", texts=tokenizer_corpus(data), vocab_size=400)
     return SimpleNamespace(root=root, data=data, sft=sft)
+
+
+def kill_train_rl_after_saved_state(flags: list[str], step: int, timeout: float = 300.0) -> None:
+    """Run `python -m alignment.train_rl <flags>` and SIGKILL it as soon as it reports the
+    training state of `step` saved (a crash with no chance to clean up)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "alignment.train_rl", *flags], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    deadline = time.time() + timeout
+    for line in process.stdout:
+        if line.startswith(f"saved training state at step {step}"):
+            process.send_signal(signal.SIGKILL)
+            break
+        assert time.time() < deadline
+    process.wait()

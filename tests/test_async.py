@@ -12,7 +12,7 @@ from alignment.errors import UserError
 from alignment.grpo import grpo_microbatch_train_step
 from alignment.rollout import SamplingSettings
 from alignment.sampler_process import RolloutsAhead, SamplerProcess
-from conftest import make_tiny_task
+from conftest import kill_train_rl_after_saved_state, make_tiny_task
 
 
 @pytest.fixture(scope="module")
@@ -176,27 +176,11 @@ def test_a_killed_trainer_leaves_no_sampler_or_engine_process_behind(task, tmp_p
 def test_a_killed_one_step_off_run_resumes_and_restarts_its_pipeline(task):
     # SIGKILL after the step-2 state is saved (batch 3 was already generating), then --resume:
     # the run finishes its 4 steps, and its first resumed batch comes from the resumed weights
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
     from alignment.checkpoint import has_training_state
 
-    repo = Path(__file__).resolve().parents[1]
     name = "resumed"
     run = rl_flags(task, name, "--rollout_staleness", "1", "--max_steps", "4", "--save_state_every", "1", "--learning_rate", "1e-3")
-    process = subprocess.Popen([sys.executable, "-m", "alignment.train_rl", *run], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, env={**os.environ, "PYTHONPATH": str(repo)})
-    deadline = time.time() + 300
-    for line in process.stdout:
-        if line.startswith("saved training state at step 2"):
-            process.send_signal(signal.SIGKILL)
-            break
-        assert time.time() < deadline
-    process.wait()
+    kill_train_rl_after_saved_state(run, step=2)
     state_dir = task.root / name / "rl.state"
     assert has_training_state(state_dir)
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from alignment import train_rl
 from alignment.checkpoint import has_training_state, recover_checkpoint, save_model_atomically
 from alignment.errors import UserError
-from conftest import make_tiny_task
+from conftest import kill_train_rl_after_saved_state, make_tiny_task
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,16 +92,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(pipeline):
     train_rl.main(flags(pipeline, "full"))
     full = steps_log(pipeline, "full")
 
-    command = [sys.executable, "-m", "alignment.train_rl", *flags(pipeline, "cut", "--save_state_every", "1")]
-    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    deadline = time.time() + 300
-    for line in process.stdout:
-        if line.startswith("saved training state at step 2"):
-            process.send_signal(signal.SIGKILL)
-            break
-        assert time.time() < deadline
-    process.wait()
+    kill_train_rl_after_saved_state(flags(pipeline, "cut", "--save_state_every", "1"), step=2)
     state_dir = pipeline.root / "cut" / "rl.state"
     assert has_training_state(state_dir)
     assert not (pipeline.root / "cut" / "rl" / "model.safetensors").exists()
