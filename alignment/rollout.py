@@ -227,8 +227,12 @@ def direct_copy_plan(engine_model, source_shapes: dict[str, torch.Size]):
         if name == "lm_head.weight" and embed is not None and parameter.data_ptr() == embed.data_ptr():
             continue  # tied to the embeddings, filled with them
         sources = [f"{module_prefix}.{part}.{leaf}" for part in _FUSED_SOURCES[module]] if module in _FUSED_SOURCES else [name]
-        if any(s not in source_shapes for s in sources) or sum(source_shapes[s][0] for s in sources) != parameter.shape[0] \
-                or any(source_shapes[s][1:] != parameter.shape[1:] for s in sources):
+        if any(s not in source_shapes for s in sources) or any(source_shapes[s][1:] != parameter.shape[1:] for s in sources):
+            return None
+        rows = sum(source_shapes[s][0] for s in sources)
+        # vLLM pads the vocabulary to a multiple of 64 rows (never read: logits are cut to the real vocabulary)
+        padded_vocabulary = name.endswith(("embed_tokens.weight", "lm_head.weight")) and rows < parameter.shape[0]
+        if rows != parameter.shape[0] and not padded_vocabulary:
             return None
         plan.append((parameter, sources))
     return plan

@@ -50,6 +50,30 @@ def test_each_gpu_index_gets_its_own_compile_caches(monkeypatch, tmp_path):
         assert os.environ[variable] == str(tmp_path / variable / "alignment_cuda1")
 
 
+def test_direct_copy_plan_fills_fused_and_vocabulary_padded_parameters():
+    """vLLM stacks q/k/v into one parameter and pads the vocabulary to a multiple of 64 rows."""
+    from alignment.rollout import copy_by_plan, direct_copy_plan
+
+    engine = torch.nn.Module()
+    engine.model = torch.nn.Module()
+    engine.model.embed_tokens = torch.nn.Embedding(448, 8)
+    engine.model.attn = torch.nn.Module()
+    engine.model.attn.qkv_proj = torch.nn.Linear(8, 16, bias=False)
+    engine.lm_head = torch.nn.Linear(8, 448, bias=False)
+    engine.lm_head.weight = engine.model.embed_tokens.weight  # tied: filled with the embeddings
+    source = {"model.embed_tokens.weight": torch.randn(416, 8), "model.attn.q_proj.weight": torch.randn(8, 8),
+              "model.attn.k_proj.weight": torch.randn(4, 8), "model.attn.v_proj.weight": torch.randn(4, 8)}
+    padding = engine.model.embed_tokens.weight.detach()[416:].clone()
+    plan = direct_copy_plan(engine, {name: tensor.shape for name, tensor in source.items()})
+    assert [sources for _, sources in plan] == [["model.embed_tokens.weight"], ["model.attn.q_proj.weight", "model.attn.k_proj.weight", "model.attn.v_proj.weight"]]
+    copy_by_plan(plan, source)
+    assert torch.equal(engine.model.embed_tokens.weight[:416], source["model.embed_tokens.weight"])
+    assert torch.equal(engine.model.embed_tokens.weight[416:], padding)  # padding rows untouched
+    assert torch.equal(engine.model.attn.qkv_proj.weight, torch.cat([source[f"model.attn.{p}_proj.weight"] for p in "qkv"]))
+    # any other shape mismatch: no plan (vLLM's reload_weights then does the mapping)
+    assert direct_copy_plan(engine, {**{n: t.shape for n, t in source.items()}, "model.attn.v_proj.weight": torch.Size([2, 8])}) is None
+
+
 def test_truncate_at_stop_keeps_the_stop_string():
     assert truncate_at_stop(" 5 </answer> junk </answer>", ("</answer>",)) == " 5 </answer>"
     assert truncate_at_stop("no stop", ("</answer>",)) == "no stop"
