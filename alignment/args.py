@@ -161,6 +161,9 @@ def build_rl_parser() -> argparse.ArgumentParser:
                            "1 = every step, 0 = never. A vLLM batch that returns log-probs ran at half speed on an H200 (W1: 19k against 39k tokens/s; "
                            "vLLM's front end handles each log-prob in Python)")
     loss.add_argument("--logprob_chunk_size", type=_non_negative_int, default=1024, help="tokens per chunk of the fused lm_head+log-softmax (never builds fp32 (B,T,V)); 0 = naive log_softmax+gather")
+    loss.add_argument("--pack_sequences", action=argparse.BooleanOptionalAction, default=False,
+                      help="run each microbatch's rows as one padding-free sequence (variable-length attention, alignment/packing.py): "
+                           "the same rows, loss and gradients with no padding computed; needs the fused log-prob path (--logprob_chunk_size > 0, not FSDP)")
 
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--evaluate_freq", type=_non_negative_int, default=10, help="evaluate every N rollout steps (0 = only at the end)")
@@ -222,6 +225,8 @@ def validate_rl_args(args) -> None:
         print(f"note: --epochs_per_rollout_batch {args.epochs_per_rollout_batch} with {args.loss_type} reuses stale rollouts without importance correction; grpo_clip corrects for it")
     if args.rollout_staleness and args.rollout_sync_every != 1:
         raise UserError(f"--rollout_staleness {args.rollout_staleness} sends the weights after every update: it needs --rollout_sync_every 1 (got {args.rollout_sync_every})")
+    if args.pack_sequences and (args.logprob_chunk_size == 0 or args.policy_parallel == "fsdp"):
+        raise UserError("--pack_sequences runs through the fused log-prob path: it needs --logprob_chunk_size > 0 and --policy_parallel layers")
     if args.rollout_staleness and args.rollout_tokens != "ids":
         raise UserError("--rollout_staleness corrects with the sampler's log-probs of its token ids: it needs --rollout_tokens ids")
     if args.state_dir is None:

@@ -16,13 +16,14 @@ from alignment.sft_helpers import get_response_log_probs
 
 
 @torch.no_grad()
-def score_with(model, batch, rows_per_chunk, main_device, chunk_size, temperature=1.0, compute_dtype=torch.float32):
+def score_with(model, batch, rows_per_chunk, main_device, chunk_size, temperature=1.0, compute_dtype=torch.float32, pack=False):
     """(N, T) log-probs of every rollout under `model`, no grad, kept on the CPU.
 
     Used for the frozen reference model (on its own device: only the (B, T)
     result moves, never logits) and for the pre-update policy. `temperature`
     divides the logits (the sampler's temperature, as in the update); the forward
-    runs under autocast to `compute_dtype`, like the training forward.
+    runs under autocast to `compute_dtype`, like the training forward. `pack`: each
+    chunk's rows run as one padding-free sequence (--pack_sequences).
     """
     device = model.get_input_embeddings().weight.device
     result = torch.zeros(batch["labels"].shape, dtype=torch.float32)
@@ -33,7 +34,8 @@ def score_with(model, batch, rows_per_chunk, main_device, chunk_size, temperatur
         for rows in _chunks(by_length, rows_per_chunk):
             width = max(batch["lengths"][row] for row in rows)
             log_probs = get_response_log_probs(model, batch["input_ids"][rows, :width].to(device), batch["labels"][rows, :width].to(device),
-                                               chunk_size=chunk_size, temperature=temperature, positions=batch["response_mask"][rows, :width])["log_probs"]
+                                               chunk_size=chunk_size, temperature=temperature, positions=batch["response_mask"][rows, :width],
+                                               lengths=[batch["lengths"][row] for row in rows] if pack else None)["log_probs"]
             result[rows, :width] = log_probs.float().cpu()
     return result
 
@@ -48,7 +50,9 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
     --train_batch_size, for --epochs_per_rollout_batch passes. Rows are
     length-sorted within each optimizer step so microbatches carry little padding
     (equal-size microbatches: the summed gradient does not depend on the order;
-    the benchmarks pass sort_by_length=False to measure what it saves). With more
+    the benchmarks pass sort_by_length=False to measure what it saves; with
+    --pack_sequences each microbatch's rows run as one padding-free sequence, same
+    rows and loss, no padding computed at all). With more
     than one pass the rows are shuffled per pass, seeded by (--seed, `step`).
 
     Forward passes run under autocast to `compute_dtype` (bf16 compute on fp32
@@ -88,7 +92,8 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
                 ref = batch["ref_log_probs"][rows, :width].to(main_device) if "ref_log_probs" in batch else None
                 with autocast(main_device, compute_dtype):
                     out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=args.logprob_chunk_size,
-                                                 temperature=args.scoring_temperature, positions=cpu_mask)
+                                                 temperature=args.scoring_temperature, positions=cpu_mask,
+                                                 lengths=[lengths[row] for row in rows] if getattr(args, "pack_sequences", False) else None)
                 log_probs = out["log_probs"]
                 sampler = batch["sampler_log_probs"][rows, :width].to(log_probs.device) if "sampler_log_probs" in batch else None
                 if sampler is not None and epoch == 0 and totals["optimizer_steps"] + totals["skipped_steps"] == 0:

@@ -125,6 +125,7 @@ def get_response_log_probs(
     chunk_size: int = 0,
     temperature: float = 1.0,
     positions: torch.Tensor | None = None,
+    lengths: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token log p(labels | prefix) from a causal LM, at a sampling temperature.
 
@@ -143,18 +144,33 @@ def get_response_log_probs(
             are ~40% of a GRPO batch, and the output layer with its softmax is the
             costliest part of a step per position. Pass it on the CPU to keep the
             device free of a sync. The naive path scores every position.
+        lengths: optional real-token count of each row (positions past it are
+            padding). The fused path then packs the rows into one padding-free
+            sequence (alignment/packing.py, --pack_sequences); same results.
     Returns:
         {"log_probs": (B, T)} in fp32, plus "token_entropy": (B, T) if asked.
     """
     if chunk_size and _supports_fused_head(model):
-        hidden = model.model(input_ids=input_ids).last_hidden_state
         weight = model.get_output_embeddings().weight
-        batch, width, hidden_size = hidden.shape
-        hidden, labels = hidden.to(weight.device).reshape(-1, hidden_size), labels.to(weight.device).reshape(-1)
-        index = None
-        if positions is not None:
-            index = positions.reshape(-1).nonzero().squeeze(1).to(weight.device, non_blocking=True)
-            hidden, labels = hidden.index_select(0, index), labels.index_select(0, index)
+        batch, width = input_ids.shape
+        labels = labels.to(weight.device).reshape(-1)
+        if lengths is not None:  # hidden states of the real tokens only; `index` maps them to the grid
+            from alignment.packing import packed_forward
+
+            hidden, flat = packed_forward(model.model, model.config, input_ids, lengths)
+            hidden = hidden.to(weight.device)
+            if positions is not None:
+                keep = positions.cpu().reshape(-1).index_select(0, flat).nonzero().squeeze(1)
+                hidden, flat = hidden.index_select(0, keep.to(weight.device, non_blocking=True)), flat.index_select(0, keep)
+            index = flat.to(weight.device, non_blocking=True)
+            labels = labels.index_select(0, index)
+        else:
+            hidden = model.model(input_ids=input_ids).last_hidden_state
+            hidden = hidden.to(weight.device).reshape(batch * width, -1)
+            index = None
+            if positions is not None:
+                index = positions.reshape(-1).nonzero().squeeze(1).to(weight.device, non_blocking=True)
+                hidden, labels = hidden.index_select(0, index), labels.index_select(0, index)
         if temperature != 1.0:
             hidden = hidden / temperature  # (h / T) @ W.T = logits / T
         log_probs, entropy = chunked_linear_log_probs(hidden[None], weight, labels[None], chunk_size, return_token_entropy)

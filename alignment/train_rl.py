@@ -44,7 +44,8 @@ Where this departs from the seed, each one flag away from the seed's behaviour:
   --epochs_per_rollout_batch / --train_batch_size, --layout auto, resumable
   training state (--save_state_every, --resume, which checks the run's flags and
   data), non-finite steps skipped, batches with no learning signal skipped,
-  --torch_compile, and --policy_parallel fsdp (alignment/distributed.py);
+  --torch_compile, --pack_sequences (padding-free microbatches, packing.py),
+  and --policy_parallel fsdp (alignment/distributed.py);
 - outputs are owned and locked (checkpoint.py: a user's folder at an output path
   is refused, one run per path, checksums verified before use), and SIGINT /
   SIGTERM finish the step, save a state and print the resume command (interrupts.py).
@@ -64,7 +65,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 
-from alignment import distributed
+from alignment import distributed, packing
 from alignment.args import build_sft_parser, check_checkpoint, check_resume_flags, has_weights, model_context_length, parse_rl_args, run_record
 from alignment.checkpoint import (OutputLock, check_output_path, check_saved_model, check_writable, file_sha256, has_training_state,
                                   load_training_state, read_manifest, recover_checkpoint, remove_output, save_model_atomically,
@@ -215,6 +216,8 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
                             enforce_eager=args.vllm_enforce_eager, shares_gpu=args.sample_device in policy_gpus)
         say(f"vLLM sampler on {args.sample_device} started in {engine.start_seconds:.1f}s")
+    if args.pack_sequences:
+        packing.require_support(main_device)
     model = load_hf_model(start_weights, "cpu", policy_dtype)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -342,7 +345,7 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
             signal = raw_rewards if args.loss_type == "no_baseline" else advantages
             has_signal = ranks.any_true(args.kl_coef > 0 or not args.skip_zero_signal or bool(signal.abs().max() > 0))
             started = time.perf_counter()
-            scoring = {"chunk_size": args.logprob_chunk_size, "temperature": args.scoring_temperature, "compute_dtype": dtype}
+            scoring = {"chunk_size": args.logprob_chunk_size, "temperature": args.scoring_temperature, "compute_dtype": dtype, "pack": args.pack_sequences}
             if has_signal and reference_model is not None:
                 batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, **scoring)
             if has_signal and args.loss_type == "grpo_clip" and args.old_policy == "rollout" and not single_step_per_batch and not ahead:  # (ahead: the sampler's are the old)

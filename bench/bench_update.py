@@ -66,6 +66,7 @@ def main():
     parser.add_argument("--batch_size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
+    parser.add_argument("--logprob_variants", default=None, help="comma-separated subset of the log-prob pass variants")
     parser.add_argument("--pure_bf16", action="store_true", help="bf16 weights and AdamW state (train_rl --no-fp32_master_weights); default fp32 master weights, bf16 compute")
     parser.add_argument("--profile", default=None, metavar="VARIANT",
                         help="after timing, run one more update of this variant under torch.profiler and write the kernel time by op to update_profile.txt")
@@ -86,22 +87,25 @@ def main():
     print(f"device {device} | bf16 matmul ceiling {ceiling:.0f} TFLOP/s | {args.batch_size} sequences, {real_tokens} tokens, "
           f"mean length {real_tokens / len(lengths):.0f} (mean prompt {sum(batch['prompt_lengths']) / len(lengths):.0f})", flush=True)
 
-    # name: (microbatch, fused chunk size (0 = naive), length-sorted, gradient checkpointing, torch.compile)
+    # name: (microbatch, fused chunk size (0 = naive), length-sorted, gradient checkpointing, torch.compile, packed rows)
     variants = {
-        "naive_unsorted_mb8": (8, 0, False, False, False),
-        "fused_unsorted_mb8": (8, 1024, False, False, False),
-        "fused_sorted_mb8": (8, 1024, True, False, False),
-        "fused_sorted_mb16": (16, 1024, True, False, False),
-        "fused_sorted_mb32": (32, 1024, True, False, False),
-        "fused_sorted_mb64_ckpt": (64, 1024, True, True, False),
-        "fused_sorted_mb16_compile": (16, 1024, True, False, True),
-        "fused_sorted_mb32_compile": (32, 1024, True, False, True),
+        "naive_unsorted_mb8": (8, 0, False, False, False, False),
+        "fused_unsorted_mb8": (8, 1024, False, False, False, False),
+        "fused_sorted_mb8": (8, 1024, True, False, False, False),
+        "fused_sorted_mb16": (16, 1024, True, False, False, False),
+        "fused_sorted_mb32": (32, 1024, True, False, False, False),
+        "fused_sorted_mb64_ckpt": (64, 1024, True, True, False, False),
+        "fused_sorted_mb16_compile": (16, 1024, True, False, True, False),
+        "fused_sorted_mb32_compile": (32, 1024, True, False, True, False),
+        "packed_mb16": (16, 1024, True, False, False, True),  # --pack_sequences: no padding computed
+        "packed_mb32_compile": (32, 1024, True, False, True, True),
+        "packed_mb64_compile": (64, 1024, True, False, True, True),
     }
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     rows = []
     result_name = "update" + ("_pure_bf16" if args.pure_bf16 else "") + ("_tiny" if args.tiny else "")
-    for name, (microbatch, chunk, sort, checkpointing, compiled) in variants.items():
+    for name, (microbatch, chunk, sort, checkpointing, compiled, packed) in variants.items():
         model = optimizer = None  # free the previous variant's copy before making the next
         model = copy.deepcopy(base)
         model.train()
@@ -115,6 +119,7 @@ def main():
         optimizer = build_optimizer(model, 1e-6, 0.0)
         scheduler = build_scheduler(optimizer, 0, 100)
         step_args = update_args(microbatch, chunk, args.batch_size)
+        step_args.pack_sequences = packed
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -125,7 +130,7 @@ def main():
             rows.append({"workload": "update", "variant": name, "error": "out of memory"})
             continue
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else float("nan")
-        computed = padded_positions(lengths, microbatch, sort)
+        computed = real_tokens if packed else padded_positions(lengths, microbatch, sort)
         rows.append({
             "workload": "update", "variant": name, "master_weights": "bf16" if args.pure_bf16 else "fp32", "microbatch": microbatch, "seconds": seconds,
             "tokens_per_s": real_tokens / seconds, "mfu": needed_flops / seconds / 1e12 / ceiling,
@@ -139,12 +144,16 @@ def main():
     use_compiled_chunk_math(False)
     base.eval()  # the frozen reference's scoring pass: bf16 weights, as train_rl holds it
     base.to(compute_dtype)
-    for name, (microbatch, chunk) in {"logprob_naive_mb16": (16, 0), "logprob_fused_mb32": (32, 1024), "logprob_fused_mb64": (64, 1024)}.items():
+    logprob_variants = {"logprob_naive_mb16": (16, 0, False), "logprob_fused_mb32": (32, 1024, False), "logprob_fused_mb64": (64, 1024, False),
+                        "logprob_packed_mb64": (64, 1024, True)}
+    if args.logprob_variants:
+        logprob_variants = {k: v for k, v in logprob_variants.items() if k in args.logprob_variants.split(",")}
+    for name, (microbatch, chunk, packed) in logprob_variants.items():
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            seconds, times = timed(lambda: score_with(base, batch, microbatch, device, chunk, compute_dtype=compute_dtype), device, repeats=args.repeats)
+            seconds, times = timed(lambda: score_with(base, batch, microbatch, device, chunk, compute_dtype=compute_dtype, pack=packed), device, repeats=args.repeats)
         except torch.OutOfMemoryError:
             rows.append({"workload": "logprob", "variant": name, "error": "out of memory"})
             continue

@@ -18,10 +18,11 @@ def run_bench(script, out, *flags):
 
 def test_update_and_logprob_bench(tmp_path):
     run_bench("bench_update.py", tmp_path, "--device", "cpu", "--tiny", "--batch_size", "16", "--repeats", "1",
-              "--variants", "naive_unsorted_mb8,fused_sorted_mb8")
+              "--variants", "naive_unsorted_mb8,fused_sorted_mb8,packed_mb16")
     rows = json.loads((tmp_path / "update_tiny.json").read_text())
     by_variant = {row["variant"]: row for row in rows}
-    assert {"naive_unsorted_mb8", "fused_sorted_mb8", "logprob_fused_mb32"} <= by_variant.keys()
+    assert {"naive_unsorted_mb8", "fused_sorted_mb8", "packed_mb16", "logprob_fused_mb32", "logprob_packed_mb64"} <= by_variant.keys()
+    assert by_variant["packed_mb16"]["padding_share"] == 0 < by_variant["fused_sorted_mb8"]["padding_share"]
     assert all(row["tokens_per_s"] > 0 for row in rows)
     # sorting by length can only remove padding
     assert by_variant["fused_sorted_mb8"]["padding_share"] <= by_variant["naive_unsorted_mb8"]["padding_share"]

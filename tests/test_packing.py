@@ -1,0 +1,92 @@
+"""--pack_sequences: a microbatch's rows as one padding-free sequence give the padded path's
+log-probs, entropy, loss and gradients (CPU: one causal attention per sequence)."""
+
+import pytest
+import torch
+
+from alignment.optim import build_scheduler
+from alignment.packing import layout
+from alignment.policy_update import score_with, update_policy
+from alignment.rollout import load_hf_model, load_tokenizer
+from alignment.sft_helpers import get_response_log_probs
+from conftest import make_tiny_task
+from test_precision import grpo_batch, update_args
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return make_tiny_task(tmp_path_factory.mktemp("packing"), num_train=32, num_test=8, seed=2)
+
+
+@pytest.fixture(scope="module")
+def batch(task):
+    return grpo_batch(load_tokenizer(task.sft))
+
+
+def test_layout_indexes_the_real_tokens_and_restarts_positions():
+    flat, positions, boundaries = layout([3, 1, 2], width=4)
+    assert flat.tolist() == [0, 1, 2, 4, 8, 9]
+    assert positions.tolist() == [0, 1, 2, 0, 0, 1]
+    assert boundaries.tolist() == [0, 3, 4, 6] and boundaries.dtype == torch.int32
+
+
+@pytest.mark.parametrize("with_positions", [True, False])
+def test_packed_log_probs_entropy_and_gradients_equal_the_padded_path(task, batch, with_positions):
+    rows = slice(0, 7)  # rows of different lengths, right-padded to the longest
+    lengths = batch["lengths"][rows]
+    width = max(lengths)
+    input_ids, labels, mask = (batch[key][rows, :width] for key in ("input_ids", "labels", "response_mask"))
+    assert min(lengths) < width  # the padded path computes padding here; the packed one does not
+    results = {}
+    for packed in (False, True):
+        model = load_hf_model(task.sft, "cpu", torch.float32)
+        out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=5, temperature=0.7,
+                                     positions=mask if with_positions else None, lengths=lengths if packed else None)
+        (out["log_probs"] * mask).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        results[packed] = (out["log_probs"] * mask, out["token_entropy"] * mask, grads)
+    for padded, packed in zip(results[False], results[True]):
+        assert torch.allclose(packed, padded, atol=1e-5, rtol=1e-4)
+    assert results[True][2].abs().sum() > 0
+    assert model.config._attn_implementation == "sdpa"  # packing switched it only for its own forward
+
+
+def one_update(task, batch, pack: bool, compiled: bool = False):
+    model = load_hf_model(task.sft, "cpu", torch.float32).train()
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile(dynamic=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step is minus the (clipped) gradient: compares gradients
+    args = update_args(chunk_size=5)
+    args.train_mini_batch_size, args.gradient_accumulation_steps, args.pack_sequences = 4, 4, pack  # 4 microbatches of different widths
+    totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu")
+    delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    return totals, delta
+
+
+def test_packed_update_takes_the_padded_update_step(task, batch):
+    padded, padded_delta = one_update(task, batch, pack=False)
+    packed, packed_delta = one_update(task, batch, pack=True)
+    assert packed["optimizer_steps"] == padded["optimizer_steps"] == 1
+    for key in ("loss", "entropy", "grad_norm", "clip_fraction"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
+    assert packed["tokens"] == padded["tokens"] and packed["flops"] == padded["flops"]
+    assert padded_delta.abs().sum() > 0
+    assert torch.allclose(packed_delta, padded_delta, atol=1e-6, rtol=1e-4)
+
+
+def test_packed_update_under_compiled_layers_equals_eager(task, batch):
+    """--torch_compile's per-layer graphs (dynamic shapes) around the packed attention."""
+    eager, eager_delta = one_update(task, batch, pack=True)
+    compiled, compiled_delta = one_update(task, batch, pack=True, compiled=True)
+    assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-4, abs=1e-6)
+    assert torch.allclose(compiled_delta, eager_delta, atol=1e-6, rtol=1e-4)
+
+
+def test_packed_scoring_equals_padded_scoring(task, batch):
+    model = load_hf_model(task.sft, "cpu", torch.float32)
+    padded = score_with(model, batch, 5, "cpu", chunk_size=5, temperature=0.7)
+    packed = score_with(model, batch, 5, "cpu", chunk_size=5, temperature=0.7, pack=True)
+    assert torch.allclose(packed, padded, atol=1e-5)
+    assert (padded * batch["response_mask"]).abs().sum() > 0
