@@ -98,6 +98,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--sft_epochs", type=int, default=None, help="override the SFT epochs")
     parser.add_argument("--num_train", type=int, default=None, help="override the number of training problems (SFT demonstrations and RL prompts)")
     parser.add_argument("--num_test", type=int, default=None, help="override the number of held-out problems")
+    parser.add_argument("--rl_extra", default="", help="more train_rl flags for the RL stage, space-separated (e.g. --rl_extra=--pack_sequences)")
     args = parser.parse_args(argv)
 
     from alignment.checkpoint import remove_output
@@ -139,6 +140,7 @@ def main(argv=None) -> dict:
     ]
     if args.rl_steps:
         rl_flags += ["--max_steps", str(args.rl_steps)]
+    rl_flags += args.rl_extra.split()
     seconds["train_rl"] = _run("train_rl", "alignment.train_rl", rl_flags, out)
     rl_metrics = evaluate("rl", checkpoints / "rl")
 
@@ -154,7 +156,7 @@ def main(argv=None) -> dict:
         "backend": backend,
         "seed": args.seed,
         "config": {**CONFIG, "task": task},
-        "overrides": {key: value for key in ("num_train", "num_test", "sft_epochs", "rl_steps") if (value := getattr(args, key))},
+        "overrides": {key: value for key in ("num_train", "num_test", "sft_epochs", "rl_steps", "rl_extra") if (value := getattr(args, key))},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     curves = plot_run(out / "rl", out / "curves.png", start_eval=sft_metrics)
