@@ -227,6 +227,9 @@ def validate_rl_args(args) -> None:
         raise UserError(f"--rollout_staleness {args.rollout_staleness} sends the weights after every update: it needs --rollout_sync_every 1 (got {args.rollout_sync_every})")
     if args.pack_sequences and (args.logprob_chunk_size == 0 or args.policy_parallel == "fsdp"):
         raise UserError("--pack_sequences runs through the fused log-prob path: it needs --logprob_chunk_size > 0 and --policy_parallel layers")
+    if args.pack_sequences and args.gradient_checkpointing:
+        # the recomputation in backward would run outside the packed attention, across sequences
+        raise UserError("--pack_sequences does not combine with --gradient_checkpointing yet; drop one of them")
     if args.rollout_staleness and args.rollout_tokens != "ids":
         raise UserError("--rollout_staleness corrects with the sampler's log-probs of its token ids: it needs --rollout_tokens ids")
     if args.state_dir is None:

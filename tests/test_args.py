@@ -45,6 +45,8 @@ def _fails_with(main, argv, capsys, pattern):
         (["--group_size", "1", "--loss_type", "reinforce_with_baseline"], "a group of one has zero advantage"),
         (["--cliprange", "1.5"], "--cliprange 1.5 must be below 1"),
         (["--sampling_min_tokens", "50", "--sampling_max_tokens", "10"], "--sampling_min_tokens 50 exceeds --sampling_max_tokens 10"),
+        (["--pack_sequences", "--logprob_chunk_size", "0"], "--pack_sequences runs through the fused log-prob path"),
+        (["--pack_sequences", "--gradient_checkpointing"], "--pack_sequences does not combine with --gradient_checkpointing"),
     ],
 )
 def test_rl_flag_validation(flags, pattern, capsys, toy_data):
