@@ -60,7 +60,7 @@ def require_support(device: str) -> None:
     from alignment.errors import UserError
 
     if device.startswith("cuda") and importlib.util.find_spec("torch.nn.attention.varlen") is None:
-        raise UserError(f"--pack_sequences needs torch.nn.attention.varlen (torch >= 2.10; this is {torch.__version__}): upgrade torch or pass --no-pack_sequences")
+        raise UserError(f"--pack_sequences needs torch.nn.attention.varlen, which torch {torch.__version__} lacks: install the pinned torch (requirements.txt) or drop the flag")
 
 
 def _register() -> None:
