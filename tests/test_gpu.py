@@ -6,11 +6,12 @@ master weights. Run on a GPU box with `pytest tests/test_gpu.py`."""
 import copy
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
 
-from conftest import make_tiny_task
+from conftest import REPO_ROOT, make_tiny_task
 from test_rollout import PROMPTS, perturbed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
@@ -31,28 +32,14 @@ def gpu_engine(tiny_checkpoint):
     engine.close()
 
 
-def greedy_log_probs(engine, max_tokens=12):
-    """Each prompt's greedy tokens with the sampler's log-prob of each."""
-    from vllm import SamplingParams
+def sampler_gap(engine, policy) -> float:
+    """Mean |sampler log-prob - policy log-prob| over the engine's greedy tokens (bench_rollout's proof)."""
+    if str(REPO_ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / "bench"))
+    from bench_rollout import hf_log_probs, mean_abs_difference, vllm_token_log_probs
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    with engine._on_device():
-        outputs = engine.llm.generate(PROMPTS, params, use_tqdm=False)
-    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids), [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-            for o in outputs]
-
-
-def policy_gap(policy, sequences) -> float:
-    """Mean |sampler log-prob - policy log-prob| over the sampled tokens."""
-    from alignment.sft_helpers import get_response_log_probs
-
-    gaps = []
-    with torch.no_grad():
-        for prompt_ids, token_ids, sampler in sequences:
-            full = torch.tensor([prompt_ids + token_ids], device="cuda:0")
-            mine = get_response_log_probs(policy, full[:, :-1], full[:, 1:])["log_probs"][0, len(prompt_ids) - 1:]
-            gaps += (mine.float().cpu() - torch.tensor(sampler)).abs().tolist()
-    return sum(gaps) / len(gaps)
+    sequences = vllm_token_log_probs(engine, PROMPTS, max_tokens=12)
+    return mean_abs_difference(sequences, hf_log_probs(policy, sequences, "cuda:0"))
 
 
 def test_engine_weights_live_on_the_requested_gpu(gpu_engine):
@@ -63,22 +50,19 @@ def test_engine_weights_live_on_the_requested_gpu(gpu_engine):
 def test_direct_copy_makes_the_engine_score_like_the_policy(gpu_engine, tiny_model_and_tokenizer):
     model, _ = tiny_model_and_tokenizer
     policy = perturbed(model, seed=1).to(device="cuda:0", dtype=torch.bfloat16).eval()
-    before = policy_gap(policy, greedy_log_probs(gpu_engine))
+    before = sampler_gap(gpu_engine, policy)
     gpu_engine.load_weights(policy.state_dict().items())  # cuda:0 -> the engine's GPU, parameter by parameter
     assert gpu_engine.last_sync_path == "direct"  # the tiny vocabulary (416) is padded to 448 rows in vLLM: the plan fills the first 416
-    after = policy_gap(policy, greedy_log_probs(gpu_engine))
+    after = sampler_gap(gpu_engine, policy)
     assert before > 0.5 and after < 0.1, (before, after)  # bf16 kernels differ a little (W1 model: 3.7 -> 0.058)
     start = copy.deepcopy(model).to(dtype=torch.bfloat16).eval()  # a copy: the session fixture stays fp32 on the CPU
     gpu_engine.load_weights(start.state_dict().items())  # back, from CPU tensors copied to the GPU
-    assert policy_gap(start.to("cuda:0"), greedy_log_probs(gpu_engine)) < 0.1
+    assert sampler_gap(gpu_engine, start.to("cuda:0")) < 0.1
 
 
 def test_train_rl_on_a_gpu_with_fp32_master_weights(tmp_path):
     """Two steps with the default GPU numerics; a child process, since one engine lives per process."""
     import subprocess
-    import sys
-
-    from conftest import REPO_ROOT
 
     task = make_tiny_task(tmp_path, num_train=32, num_test=8, seed=1)
     flags = ["--sft_checkpoint_path", str(task.sft), "--checkpoint_path", str(tmp_path / "rl"), "--tmp_checkpoint_path", str(tmp_path / "rl_tmp"),
