@@ -141,6 +141,10 @@ def build_rl_parser() -> argparse.ArgumentParser:
     loss.add_argument("--length_normalization", choices=["mean", "constant"], default="mean", help="mean: per-sequence mean over response tokens (seed, GRPO); constant: sum / --length_normalization_constant (Dr. GRPO, no length bias)")
     loss.add_argument("--length_normalization_constant", type=_positive_float, default=None, help="divisor for --length_normalization constant; default --sampling_max_tokens")
     loss.add_argument("--train_mini_batch_size", type=_positive_int, default=8, help="sequences per forward/backward microbatch; grad_acc_steps = train_batch_size / this (seed)")
+    loss.add_argument("--microbatch_tokens", type=_non_negative_int, default=0,
+                      help="cut microbatches (and the reference/old-policy scoring chunks) by computed tokens instead of rows: as many length-sorted rows as fit "
+                           "N tokens (real tokens with --pack_sequences, rows x width otherwise), so short rows share a microbatch and long ones do not "
+                           "exceed the memory of N; the loss is still the mean over each optimizer step's sequences. 0 = --train_mini_batch_size rows (seed)")
     loss.add_argument("--train_batch_size", type=_positive_int, default=None, help="sequences per optimizer step; default all rollouts of the batch (one step per rollout batch, seed)")
     loss.add_argument("--epochs_per_rollout_batch", type=_positive_int, default=1, help="passes over one rollout batch before sampling again; >1 makes clipping matter")
     loss.add_argument("--learning_rate", type=_positive_float, default=1e-6, help="AdamW learning rate")
@@ -227,6 +231,9 @@ def validate_rl_args(args) -> None:
         raise UserError(f"--rollout_staleness {args.rollout_staleness} sends the weights after every update: it needs --rollout_sync_every 1 (got {args.rollout_sync_every})")
     if args.pack_sequences and (args.logprob_chunk_size == 0 or args.policy_parallel == "fsdp"):
         raise UserError("--pack_sequences runs through the fused log-prob path: it needs --logprob_chunk_size > 0 and --policy_parallel layers")
+    if args.microbatch_tokens and args.policy_parallel == "fsdp":
+        # each rank cuts its own rows, but FSDP's collectives need every rank to run as many microbatches
+        raise UserError(f"--microbatch_tokens {args.microbatch_tokens} gives each FSDP rank its own microbatch count; under --policy_parallel fsdp use --train_mini_batch_size")
     if args.pack_sequences and args.gradient_checkpointing:
         # the recomputation in backward would run outside the packed attention, across sequences
         raise UserError("--pack_sequences does not combine with --gradient_checkpointing yet; drop one of them")

@@ -16,14 +16,15 @@ from alignment.sft_helpers import get_response_log_probs
 
 
 @torch.no_grad()
-def score_with(model, batch, rows_per_chunk, main_device, chunk_size, temperature=1.0, compute_dtype=torch.float32, pack=False):
+def score_with(model, batch, rows_per_chunk, main_device, chunk_size, temperature=1.0, compute_dtype=torch.float32, pack=False, token_budget=0):
     """(N, T) log-probs of every rollout under `model`, no grad, kept on the CPU.
 
     Used for the frozen reference model (on its own device: only the (B, T)
     result moves, never logits) and for the pre-update policy. `temperature`
     divides the logits (the sampler's temperature, as in the update); the forward
     runs under autocast to `compute_dtype`, like the training forward. `pack`: each
-    chunk's rows run as one padding-free sequence (--pack_sequences).
+    chunk's rows run as one padding-free sequence (--pack_sequences); `token_budget`:
+    chunks cut by computed tokens instead of `rows_per_chunk` (--microbatch_tokens).
     """
     device = model.get_input_embeddings().weight.device
     result = torch.zeros(batch["labels"].shape, dtype=torch.float32)
@@ -31,7 +32,7 @@ def score_with(model, batch, rows_per_chunk, main_device, chunk_size, temperatur
     # no_grad, not inference_mode: under FSDP2 the policy's unshard buffers would become
     # inference tensors, and the next training forward fails writing into them
     with autocast(str(device), compute_dtype):
-        for rows in _chunks(by_length, rows_per_chunk):
+        for rows in microbatches(by_length, batch["lengths"], rows_per_chunk, token_budget, pack):
             width = max(batch["lengths"][row] for row in rows)
             log_probs = get_response_log_probs(model, batch["input_ids"][rows, :width].to(device), batch["labels"][rows, :width].to(device),
                                                chunk_size=chunk_size, temperature=temperature, positions=batch["response_mask"][rows, :width],
@@ -52,7 +53,9 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
     (equal-size microbatches: the summed gradient does not depend on the order;
     the benchmarks pass sort_by_length=False to measure what it saves; with
     --pack_sequences each microbatch's rows run as one padding-free sequence, same
-    rows and loss, no padding computed at all). With more
+    rows and loss, no padding computed at all; with --microbatch_tokens the
+    microbatches are cut by computed tokens instead of rows, each weighted by its
+    share of the step's rows, so the loss is still the mean over the step). With more
     than one pass the rows are shuffled per pass, seeded by (--seed, `step`).
 
     Forward passes run under autocast to `compute_dtype` (bf16 compute on fp32
@@ -75,16 +78,21 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
     # rollouts from an older policy (train_rl --rollout_staleness): correct with the sampler's log-probs
     behaviour = "sampler_log_probs" in batch and getattr(args, "rollout_staleness", 0) > 0
     cap = args.tis_cap if behaviour else float("inf")
+    packed = getattr(args, "pack_sequences", False)
     for epoch in range(args.epochs_per_rollout_batch):
         order = torch.randperm(n_rollouts, generator=generator).tolist() if args.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
         for step_rows in _chunks(order, args.train_batch_size):
             if sort_by_length:
                 step_rows = sorted(step_rows, key=lambda row: lengths[row])
             finite = torch.ones((), dtype=torch.bool, device=main_device)
-            microbatches = _chunks(step_rows, args.train_mini_batch_size)
-            for index, rows in enumerate(microbatches):
+            token_budget = getattr(args, "microbatch_tokens", 0)
+            step_microbatches = microbatches(step_rows, lengths, args.train_mini_batch_size, token_budget, packed)
+            for index, rows in enumerate(step_microbatches):
                 if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients once per step
-                    model.set_requires_gradient_sync(index == len(microbatches) - 1)
+                    model.set_requires_gradient_sync(index == len(step_microbatches) - 1)
+                # each microbatch's mean loss, weighted by its share of the step's rows: with
+                # rows of equal counts that is the seed's / gradient_accumulation_steps
+                share = len(step_rows) / len(rows) if token_budget else args.gradient_accumulation_steps
                 width = max(lengths[row] for row in rows)
                 cpu_mask = batch["response_mask"][rows, :width]
                 input_ids, labels = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels"))
@@ -93,7 +101,7 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
                 with autocast(main_device, compute_dtype):
                     out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=args.logprob_chunk_size,
                                                  temperature=args.scoring_temperature, positions=cpu_mask,
-                                                 lengths=[lengths[row] for row in rows] if getattr(args, "pack_sequences", False) else None)
+                                                 lengths=[lengths[row] for row in rows] if packed else None)
                 log_probs = out["log_probs"]
                 sampler = batch["sampler_log_probs"][rows, :width].to(log_probs.device) if "sampler_log_probs" in batch else None
                 if sampler is not None and epoch == 0 and totals["optimizer_steps"] + totals["skipped_steps"] == 0:
@@ -114,7 +122,7 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
                     # truncated importance sampling: weight min(pi / pi_sampler, cap) per token (no gradient)
                     importance = torch.exp(log_probs.detach() - sampled).clamp(max=args.tis_cap)
                 loss, meta = grpo_microbatch_train_step(
-                    log_probs, mask, args.gradient_accumulation_steps, args.loss_type,
+                    log_probs, mask, share, args.loss_type,
                     raw_rewards=batch["raw_rewards"][rows, None].to(main_device),
                     advantages=batch["advantages"][rows, None].to(main_device),
                     old_log_probs=old, cliprange=args.cliprange, cliprange_high=args.cliprange_high,
@@ -162,6 +170,28 @@ def _add_mismatch(sums, trainer, sampler, mask, cap=float("inf")):
 def empty_totals() -> dict:
     return {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "flops": 0.0, "optimizer_steps": 0, "skipped_steps": 0, "microbatches": 0,
             "sampler_abs_diff": 0.0, "sampler_ratio": 0.0, "sampler_ratio_max": 0.0, "sampler_tokens": 0.0, "tis_capped": 0.0}
+
+
+def microbatches(rows: list[int], lengths: list[int], size: int, token_budget: int = 0, packed: bool = False) -> list[list[int]]:
+    """`rows` cut, in order, into microbatches of `size` rows, or with `token_budget` into runs
+    of as many consecutive rows as fit the budget in computed tokens: the real tokens when
+    the rows are packed, rows x the longest row when padded. A row longer than the budget runs
+    alone. On length-sorted rows this holds the work per microbatch near the budget, where a
+    row count gives the short rows small microbatches and the long ones the memory peak."""
+    if not token_budget:
+        return _chunks(rows, size)
+    groups, current, tokens, longest = [], [], 0, 0
+    for row in rows:
+        n = lengths[row]
+        cost = tokens + n if packed else (len(current) + 1) * max(longest, n)
+        if current and cost > token_budget:
+            groups.append(current)
+            current, tokens, longest = [], 0, 0
+        current.append(row)
+        tokens, longest = tokens + n, max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
 
 
 def _chunks(items, size):

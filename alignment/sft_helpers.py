@@ -165,7 +165,7 @@ def get_response_log_probs(
             index = flat.to(weight.device, non_blocking=True)
             labels = labels.index_select(0, index)
         else:
-            hidden = model.model(input_ids=input_ids).last_hidden_state
+            hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state  # no KV cache: one pass, and no cache writes in compiled layers
             hidden = hidden.to(weight.device).reshape(batch * width, -1)
             index = None
             if positions is not None:

@@ -239,6 +239,9 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
     reference_model = None
     if args.kl_coef > 0 or args.old_policy == "reference" or args.log_reference_kl:
         reference_model = load_hf_model(base_model_checkpoint_path, args.reference_model_device, dtype).eval().requires_grad_(False)
+        if args.torch_compile:  # its forward-only scoring pass, fused like the policy's
+            for layer in reference_model.model.layers:
+                layer.compile(dynamic=True)
     if args.rollout_backend == "hf" and not ahead:
         # sync every step in one process: sample with the policy itself; otherwise a copy
         # (a sharded policy cannot generate: ranks would run different numbers of forwards)
@@ -345,7 +348,8 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
             signal = raw_rewards if args.loss_type == "no_baseline" else advantages
             has_signal = ranks.any_true(args.kl_coef > 0 or not args.skip_zero_signal or bool(signal.abs().max() > 0))
             started = time.perf_counter()
-            scoring = {"chunk_size": args.logprob_chunk_size, "temperature": args.scoring_temperature, "compute_dtype": dtype, "pack": args.pack_sequences}
+            scoring = {"chunk_size": args.logprob_chunk_size, "temperature": args.scoring_temperature, "compute_dtype": dtype, "pack": args.pack_sequences,
+                       "token_budget": args.microbatch_tokens}
             if has_signal and reference_model is not None:
                 batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, **scoring)
             if has_signal and args.loss_type == "grpo_clip" and args.old_policy == "rollout" and not single_step_per_batch and not ahead:  # (ahead: the sampler's are the old)

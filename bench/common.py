@@ -125,14 +125,15 @@ def response_lengths(count: int, seed: int, low: int = 50, high: int = 1024, mea
     return [int(min(high, low + d)) for d in draws.tolist()]
 
 
-def synthetic_grpo_batch(tokenizer, count: int, seed: int, tiny: bool, data_dir=None) -> dict:
-    """A batch shaped like train_rl's: prompts from GSM8K, random response tokens."""
+def synthetic_grpo_batch(tokenizer, count: int, seed: int, tiny: bool, data_dir=None, response_length: int | None = None) -> dict:
+    """A batch shaped like train_rl's: prompts from GSM8K, random response tokens
+    (`response_length` tokens each, as W1's min = max sampling gives, else a spread of lengths)."""
     from alignment.data import format_r1_zero_prompt
     from alignment.policy_update import sequence_lengths
 
     questions = gsm8k_questions(data_dir)
     prompts = [tokenizer(format_r1_zero_prompt(questions[i % len(questions)]))["input_ids"] for i in range(count)]
-    lengths = response_lengths(count, seed, high=64 if tiny else 1024, low=8 if tiny else 50, mean=24 if tiny else 300)
+    lengths = [response_length] * count if response_length else response_lengths(count, seed, high=64 if tiny else 1024, low=8 if tiny else 50, mean=24 if tiny else 300)
     generator = torch.Generator().manual_seed(seed)
     total = max(len(p) + n for p, n in zip(prompts, lengths))
     full = torch.full((count, total), tokenizer.eos_token_id, dtype=torch.long)

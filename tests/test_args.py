@@ -47,6 +47,7 @@ def _fails_with(main, argv, capsys, pattern):
         (["--sampling_min_tokens", "50", "--sampling_max_tokens", "10"], "--sampling_min_tokens 50 exceeds --sampling_max_tokens 10"),
         (["--pack_sequences", "--logprob_chunk_size", "0"], "--pack_sequences runs through the fused log-prob path"),
         (["--pack_sequences", "--gradient_checkpointing"], "--pack_sequences does not combine with --gradient_checkpointing"),
+        (["--microbatch_tokens", "4096", "--policy_parallel", "fsdp"], "--microbatch_tokens 4096 gives each FSDP rank its own microbatch count"),
     ],
 )
 def test_rl_flag_validation(flags, pattern, capsys, toy_data):

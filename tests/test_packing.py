@@ -1,12 +1,13 @@
 """--pack_sequences: a microbatch's rows as one padding-free sequence give the padded path's
-log-probs, entropy, loss and gradients (CPU: one causal attention per sequence)."""
+log-probs, entropy, loss and gradients (CPU: one causal attention per sequence).
+--microbatch_tokens: microbatches cut by computed tokens take the row-count path's step."""
 
 import pytest
 import torch
 
 from alignment.optim import build_scheduler
 from alignment.packing import layout
-from alignment.policy_update import score_with, update_policy
+from alignment.policy_update import microbatches, score_with, update_policy
 from alignment.rollout import load_hf_model, load_tokenizer
 from alignment.sft_helpers import get_response_log_probs
 from conftest import make_tiny_task
@@ -51,7 +52,19 @@ def test_packed_log_probs_entropy_and_gradients_equal_the_padded_path(task, batc
     assert model.config._attn_implementation == "sdpa"  # packing switched it only for its own forward
 
 
-def one_update(task, batch, pack: bool, compiled: bool = False):
+def test_microbatches_cut_by_rows_or_by_computed_tokens():
+    lengths = [2, 3, 3, 5, 9]
+    rows = list(range(5))
+    assert microbatches(rows, lengths, 2) == [[0, 1], [2, 3], [4]]
+    # packed: real tokens 2 + 3 + 3 = 8 fit 8; the 9-token row exceeds the budget and runs alone
+    assert microbatches(rows, lengths, 2, token_budget=8, packed=True) == [[0, 1, 2], [3], [4]]
+    # padded: rows x the longest row; a third row of 3 would cost 9
+    assert microbatches(rows, lengths, 2, token_budget=8) == [[0, 1], [2], [3], [4]]
+    assert microbatches(rows, lengths, 2, token_budget=100) == [rows]
+    assert microbatches([4, 0, 1], lengths, 2, token_budget=12) == [[4], [0, 1]]  # unsorted: the running longest row counts
+
+
+def one_update(task, batch, pack: bool, compiled: bool = False, token_budget: int = 0):
     model = load_hf_model(task.sft, "cpu", torch.float32).train()
     if compiled:
         for layer in model.model.layers:
@@ -60,6 +73,7 @@ def one_update(task, batch, pack: bool, compiled: bool = False):
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step is minus the (clipped) gradient: compares gradients
     args = update_args(chunk_size=5)
     args.train_mini_batch_size, args.gradient_accumulation_steps, args.pack_sequences = 4, 4, pack  # 4 microbatches of different widths
+    args.microbatch_tokens = token_budget
     totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu")
     delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
     return totals, delta
@@ -84,11 +98,30 @@ def test_packed_update_under_compiled_layers_equals_eager(task, batch):
     assert torch.allclose(compiled_delta, eager_delta, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("pack", [False, True])
+def test_token_budget_microbatches_take_the_row_count_step(task, batch, pack):
+    """Microbatches of unequal row counts, each weighted by its share of the step's rows:
+    the loss is still the mean over all 16 sequences, so the step is the same."""
+    budget = 100
+    order = sorted(range(16), key=lambda row: batch["lengths"][row])
+    cut = microbatches(order, batch["lengths"], 4, budget, pack)
+    assert len({len(rows) for rows in cut}) > 1 and len(cut) != 4  # unequal, and not the row-count cut
+    rows_, rows_delta = one_update(task, batch, pack=pack)
+    tokens, tokens_delta = one_update(task, batch, pack=pack, token_budget=budget)
+    assert tokens["microbatches"] == len(cut) and rows_["microbatches"] == 4
+    for key in ("loss", "grad_norm", "clip_fraction"):
+        assert tokens[key] == pytest.approx(rows_[key], rel=1e-4, abs=1e-6), key
+    assert rows_delta.abs().sum() > 0
+    assert torch.allclose(tokens_delta, rows_delta, atol=1e-6, rtol=1e-4)
+
+
 def test_packed_scoring_equals_padded_scoring(task, batch):
     model = load_hf_model(task.sft, "cpu", torch.float32)
     padded = score_with(model, batch, 5, "cpu", chunk_size=5, temperature=0.7)
     packed = score_with(model, batch, 5, "cpu", chunk_size=5, temperature=0.7, pack=True)
     assert torch.allclose(packed, padded, atol=1e-5)
+    for pack in (False, True):  # chunks cut by computed tokens
+        assert torch.allclose(score_with(model, batch, 5, "cpu", chunk_size=5, temperature=0.7, pack=pack, token_budget=64), padded, atol=1e-5)
     assert (padded * batch["response_mask"]).abs().sum() > 0
 
 
@@ -110,9 +143,12 @@ def test_train_rl_with_packing_scores_and_steps_like_the_padded_run(task):
         return [json.loads(line) for line in open(task.root / "runs" / name / "steps.jsonl")]
 
     padded, packed = run("padded"), run("packed", "--pack_sequences")
-    assert [s["step"] for s in packed] == [1, 2]
+    # the fast path in full: packed microbatches cut by tokens, compiled policy and reference layers
+    fast = run("fast", "--pack_sequences", "--microbatch_tokens", "300", "--torch_compile")
+    assert [s["step"] for s in packed] == [1, 2] == [s["step"] for s in fast]
     # the random model earns no reward and step 1's policy is the reference, so loss and KL are 0;
     # entropy and the sampler gap are real numbers computed from the packed log-probs
     for key in ("train/loss", "train/kl_ref", "train/entropy", "train/sampler_logprob_abs_diff", "train/reward"):
         assert packed[0][key] == pytest.approx(padded[0][key], rel=1e-4, abs=1e-7), key
+        assert fast[0][key] == pytest.approx(padded[0][key], rel=1e-4, abs=1e-6), key
     assert packed[0]["train/entropy"] > 1.0 and packed[0]["train/sampler_logprob_abs_diff"] > 0
