@@ -16,6 +16,7 @@ padding masks, evaluation) keeps the model's own implementation.
 
 import contextlib
 import importlib.util
+import inspect
 import itertools
 
 import torch
@@ -33,8 +34,9 @@ def _varlen_causal(query, key, value, cu_seq_lens, longest: int, scale):
         from torch.nn.attention.varlen import varlen_attn
 
         query, key = query.to(value.dtype), key.to(value.dtype)  # a no-op from packed_attention, which casts them
-        return varlen_attn(query, key, value, cu_seq_lens, cu_seq_lens, longest, longest, scale=scale, window_size=(-1, 0),
-                           enable_gqa=key.shape[1] != query.shape[1])
+        # grouped-query attention: torch 2.13's kernel asks for the flag; 2.11's takes the shapes as they are (measured on an H200)
+        gqa = {"enable_gqa": key.shape[1] != query.shape[1]} if _KERNEL_TAKES_GQA_FLAG else {}
+        return varlen_attn(query, key, value, cu_seq_lens, cu_seq_lens, longest, longest, scale=scale, window_size=(-1, 0), **gqa)
     bounds = cu_seq_lens.tolist()
     parts = []
     for start, stop in itertools.pairwise(bounds):
@@ -66,6 +68,17 @@ def require_support(device: str) -> None:
 
     if device.startswith("cuda") and importlib.util.find_spec("torch.nn.attention.varlen") is None:
         raise UserError(f"--pack_sequences needs torch.nn.attention.varlen, which torch {torch.__version__} lacks: install the pinned torch (requirements.txt) or drop the flag")
+
+
+def _kernel_takes_gqa_flag() -> bool:
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return False
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+_KERNEL_TAKES_GQA_FLAG = _kernel_takes_gqa_flag()
 
 
 def _register() -> None:
