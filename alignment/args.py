@@ -7,6 +7,7 @@ command fails in a second with one line naming the flag, before anything loads.
 """
 
 import argparse
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -156,7 +157,10 @@ def build_rl_parser() -> argparse.ArgumentParser:
     loss.add_argument("--max_steps", type=_positive_int, default=None, help="stop after this many rollout steps (default: run all epochs)")
     loss.add_argument("--num_train_examples", type=_positive_int, default=None, help="use only the first N training prompts")
     loss.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward: less memory for long responses, ~30%% slower")
-    loss.add_argument("--torch_compile", action="store_true", help="torch.compile each decoder layer of the policy and the output layer's softmax math (dynamic shapes): faster updates after a one-time compile")
+    loss.add_argument("--torch_compile", action=argparse.BooleanOptionalAction, default=None,
+                      help="torch.compile each decoder layer of the policy and the reference, and the output layer's softmax math (dynamic shapes): faster updates "
+                           "after a one-time compile. Default: on when the policy trains on a GPU (not with --gradient_checkpointing, nor when the hf sampler "
+                           "is the policy itself), off on a CPU")
     loss.add_argument("--scoring_temperature", type=_positive_float, default=None,
                       help="logits are divided by this in every scoring pass (policy, old policy, reference, KL, entropy); default --sampling_temperature, "
                            "so the loss scores the distribution the rollouts were drawn from (TRL, verl); 1 = the seed's raw-model scoring")
@@ -165,9 +169,10 @@ def build_rl_parser() -> argparse.ArgumentParser:
                            "1 = every step, 0 = never. A vLLM batch that returns log-probs ran at half speed on an H200 (W1: 19k against 39k tokens/s; "
                            "vLLM's front end handles each log-prob in Python)")
     loss.add_argument("--logprob_chunk_size", type=_non_negative_int, default=1024, help="tokens per chunk of the fused lm_head+log-softmax (never builds fp32 (B,T,V)); 0 = naive log_softmax+gather")
-    loss.add_argument("--pack_sequences", action=argparse.BooleanOptionalAction, default=False,
+    loss.add_argument("--pack_sequences", action=argparse.BooleanOptionalAction, default=None,
                       help="run each microbatch's rows as one padding-free sequence (variable-length attention, alignment/packing.py): "
-                           "the same rows, loss and gradients with no padding computed; needs the fused log-prob path (--logprob_chunk_size > 0, not FSDP)")
+                           "the same rows, loss and gradients with no padding computed; needs the fused log-prob path (--logprob_chunk_size > 0, not FSDP). "
+                           "Default: on with --microbatch_tokens on a GPU that has the kernel (the fastest update measured there), otherwise off")
 
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--evaluate_freq", type=_non_negative_int, default=10, help="evaluate every N rollout steps (0 = only at the end)")
@@ -244,6 +249,29 @@ def validate_rl_args(args) -> None:
     _check_data_dir(args.data_dir)
 
 
+def resolve_speed_flags(args, main_device, world_size: int = 1, config=None) -> str:
+    """--torch_compile / --pack_sequences left at their default (None) -> on or off for this run.
+
+    Both are on where bench/RESULTS.md measured them faster and the tests show them equal to
+    the plain path: compiled layers whenever the policy trains on a GPU; packed rows when the
+    microbatches are cut by tokens (--microbatch_tokens) on a GPU with the varlen kernel. An
+    explicit flag is kept. Returns a line for the log."""
+    gpu = str(main_device).startswith("cuda")
+    auto = [name for name in ("torch_compile", "pack_sequences") if getattr(args, name) is None]
+    if args.torch_compile is None:
+        # the hf backend samples with the policy itself when it syncs every step in one process:
+        # generation through compiled layers would recompile per decoding length
+        self_sampling = args.rollout_backend == "hf" and not args.rollout_staleness and args.rollout_sync_every == 1 and world_size == 1
+        args.torch_compile = gpu and not args.gradient_checkpointing and not self_sampling
+    if args.pack_sequences is None:
+        sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])  # packed attention is full causal only
+        args.pack_sequences = (gpu and args.microbatch_tokens > 0 and args.logprob_chunk_size > 0 and args.policy_parallel == "layers"
+                               and not args.gradient_checkpointing and not sliding and importlib.util.find_spec("torch.nn.attention.varlen") is not None)
+    return (f"torch.compile {'on' if args.torch_compile else 'off'}, packed microbatches {'on' if args.pack_sequences else 'off'}, "
+            f"microbatches of {f'{args.microbatch_tokens} tokens' if args.microbatch_tokens else f'{args.train_mini_batch_size} rows'}"
+            + (f" ({' and '.join('--' + name for name in auto)} by default for {'a GPU' if gpu else 'a CPU'})" if auto else ""))
+
+
 # Flags that define an RL run: the data order, the rollouts and the loss depend on them,
 # so `--resume` refuses a different value. Every other flag may change on resume and
 # takes effect (learning rate, step counts, evaluation, logging, devices, speed switches).
@@ -256,6 +284,7 @@ RUN_DEFINING_FLAGS = (
     "adam_betas", "max_grad_norm", "rollout_staleness", "tis_cap",
 )
 _NOT_RECORDED = ("resume",)
+_AUTO_FLAGS = ("torch_compile", "pack_sequences")  # None until resolve_speed_flags knows the device
 
 
 def _plain(value):
@@ -288,6 +317,7 @@ def check_resume_flags(saved: dict, args, train_data_sha256: str) -> list[str]:
         f"--{key} {_plain(getattr(args, key))} (the run had {flags[key]})"
         for key in sorted(flags)
         if key not in RUN_DEFINING_FLAGS and hasattr(args, key) and flags[key] != _plain(getattr(args, key))
+        and not (key in _AUTO_FLAGS and getattr(args, key) is None)  # left at auto: resolved again on this device
     ]
 
 

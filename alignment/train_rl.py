@@ -44,7 +44,8 @@ Where this departs from the seed, each one flag away from the seed's behaviour:
   --epochs_per_rollout_batch / --train_batch_size, --layout auto, resumable
   training state (--save_state_every, --resume, which checks the run's flags and
   data), non-finite steps skipped, batches with no learning signal skipped,
-  --torch_compile, --pack_sequences (padding-free microbatches, packing.py),
+  --torch_compile (on by default on a GPU), --microbatch_tokens (microbatches cut by tokens),
+  --pack_sequences (padding-free microbatches, packing.py; on by default with a token budget on a GPU),
   and --policy_parallel fsdp (alignment/distributed.py);
 - outputs are owned and locked (checkpoint.py: a user's folder at an output path
   is refused, one run per path, checksums verified before use), and SIGINT /
@@ -66,7 +67,7 @@ from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 
 from alignment import distributed, packing
-from alignment.args import build_sft_parser, check_checkpoint, check_resume_flags, has_weights, model_context_length, parse_rl_args, run_record
+from alignment.args import build_sft_parser, check_checkpoint, check_resume_flags, has_weights, model_context_length, parse_rl_args, resolve_speed_flags, run_record
 from alignment.checkpoint import (OutputLock, check_output_path, check_saved_model, check_writable, file_sha256, has_training_state,
                                   load_training_state, read_manifest, recover_checkpoint, remove_output, save_model_atomically,
                                   save_training_state, state_step)
@@ -216,9 +217,10 @@ def train(args, base_model_checkpoint_path, stop: StopOnSignal | None = None) ->
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
                             enforce_eager=args.vllm_enforce_eager, shares_gpu=args.sample_device in policy_gpus)
         say(f"vLLM sampler on {args.sample_device} started in {engine.start_seconds:.1f}s")
+    model = load_hf_model(start_weights, "cpu", policy_dtype)
+    say("speed: " + resolve_speed_flags(args, main_device, ranks.world_size, model.config))
     if args.pack_sequences:
         packing.require_support(main_device)
-    model = load_hf_model(start_weights, "cpu", policy_dtype)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.torch_compile:

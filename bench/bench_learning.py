@@ -34,8 +34,9 @@ VARIANTS = {
     "lr2e-6_fp32_master": ["--learning_rate", "2e-6"],
     "lr2e-6_pure_bf16": ["--learning_rate", "2e-6", "--no-fp32_master_weights"],
     "lr1e-5_all_fp32": ["--learning_rate", "1e-5", "--dtype", "float32"],
-    # the demo's own RL flags (lr 5e-5), fp32 master weights; then the same with the fast update path
-    "demo": [],
+    # the demo's own RL flags (lr 5e-5), fp32 master weights, on the plain path (eager, padded rows);
+    # then the same with the fast update path (learning_h200_fast_path.json)
+    "demo": ["--no-torch_compile"],
     "demo_fast": ["--pack_sequences", "--microbatch_tokens", "8192", "--torch_compile"],
 }
 

@@ -96,3 +96,40 @@ def test_help_works_without_importing_vllm(module):
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout
     assert result.stdout.strip().endswith("NO_VLLM")
+
+
+@pytest.mark.parametrize(
+    "flags, device, expected",
+    [
+        ([], "cpu", (False, False)),  # the CPU demo and CI: the plain path
+        ([], "cuda:0", (True, False)),  # a GPU: compiled layers; rows cut by count stay padded
+        (["--microbatch_tokens", "32768"], "cuda:0", (True, True)),  # cut by tokens on a GPU: packed too
+        (["--microbatch_tokens", "32768"], "cpu", (False, False)),
+        (["--microbatch_tokens", "32768", "--gradient_checkpointing"], "cuda:0", (False, False)),
+        (["--rollout_backend", "hf"], "cuda:0", (False, False)),  # the hf sampler is the policy itself
+        (["--rollout_backend", "hf", "--rollout_sync_every", "2"], "cuda:0", (True, False)),  # its own copy samples
+        (["--no-torch_compile", "--microbatch_tokens", "4096", "--no-pack_sequences"], "cuda:0", (False, False)),
+        (["--torch_compile", "--pack_sequences"], "cpu", (True, True)),  # explicit flags are kept
+    ],
+)
+def test_speed_flags_default_to_the_fast_path_on_a_gpu(toy_data, flags, device, expected):
+    from types import SimpleNamespace
+
+    from alignment.args import resolve_speed_flags
+
+    args = parse_rl_args(["--data_dir", str(toy_data), *flags])
+    for name in ("torch_compile", "pack_sequences"):  # left at auto until the device is known
+        assert (getattr(args, name) is None) == (f"-{name}" not in " ".join(flags)), name
+    line = resolve_speed_flags(args, device, 1, SimpleNamespace(layer_types=["full_attention"]))
+    assert (args.torch_compile, args.pack_sequences) == expected
+    assert line.startswith(f"torch.compile {'on' if expected[0] else 'off'}, packed microbatches {'on' if expected[1] else 'off'}")
+
+
+def test_packing_stays_off_by_default_for_sliding_window_layers(toy_data):
+    from types import SimpleNamespace
+
+    from alignment.args import resolve_speed_flags
+
+    args = parse_rl_args(["--data_dir", str(toy_data), "--microbatch_tokens", "4096"])
+    resolve_speed_flags(args, "cuda:0", 1, SimpleNamespace(layer_types=["full_attention", "sliding_attention"]))
+    assert args.pack_sequences is False and args.torch_compile is True

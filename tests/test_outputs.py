@@ -120,7 +120,9 @@ def test_resume_refuses_run_defining_changes_and_applies_safe_ones(pipeline, mon
     assert read_manifest(state)["step"] == 1  # refused without touching the state
     capsys.readouterr()
     train_rl.main(flags(pipeline, "changed", "--save_state_every", "1", "--resume", "--learning_rate", "2e-3"))
-    assert "resume: --learning_rate 0.002 (the run had 0.001) takes effect" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resume: --learning_rate 0.002 (the run had 0.001) takes effect" in out
+    assert "resume: --torch_compile" not in out and "resume: --pack_sequences" not in out  # left at auto both times: no change to report
     steps = [json.loads(line) for line in open(pipeline.root / "runs" / "changed" / "steps.jsonl")]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert steps[0]["train/lr"] == pytest.approx(1e-3) and steps[2]["train/lr"] == pytest.approx(2e-3)
