@@ -78,14 +78,13 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
     # rollouts from an older policy (train_rl --rollout_staleness): correct with the sampler's log-probs
     behaviour = "sampler_log_probs" in batch and getattr(args, "rollout_staleness", 0) > 0
     cap = args.tis_cap if behaviour else float("inf")
-    packed = getattr(args, "pack_sequences", False)
+    packed, token_budget = getattr(args, "pack_sequences", False), getattr(args, "microbatch_tokens", 0)
     for epoch in range(args.epochs_per_rollout_batch):
         order = torch.randperm(n_rollouts, generator=generator).tolist() if args.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
         for step_rows in _chunks(order, args.train_batch_size):
             if sort_by_length:
                 step_rows = sorted(step_rows, key=lambda row: lengths[row])
             finite = torch.ones((), dtype=torch.bool, device=main_device)
-            token_budget = getattr(args, "microbatch_tokens", 0)
             step_microbatches = microbatches(step_rows, lengths, args.train_mini_batch_size, token_budget, packed)
             for index, rows in enumerate(step_microbatches):
                 if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients once per step
