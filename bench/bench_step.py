@@ -56,9 +56,19 @@ def prepare_data(folder: Path) -> Path:
     return folder
 
 
+def visible_gpus(count: int, given: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for the run: the first `count` of the caller's (`given`), or 0..count-1 when unset.
+    A caller's CUDA_VISIBLE_DEVICES=1 keeps the run on GPU 1 (bench/stack_session.sh's second lane once
+    landed on GPU 0, beside the first lane's benchmark, when this always said 0)."""
+    visible = [gpu.strip() for gpu in given.split(",") if gpu.strip()] if given is not None else [str(i) for i in range(count)]
+    if len(visible) < count:
+        raise SystemExit(f"--gpus {count}, but CUDA_VISIBLE_DEVICES={given} leaves {len(visible)}: widen it or lower --gpus")
+    return ",".join(visible[:count])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpus", type=int, default=1, help="GPUs the run may use (CUDA_VISIBLE_DEVICES=0..gpus-1)")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs the run may use: the first N of CUDA_VISIBLE_DEVICES (default 0..N-1)")
     parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for the smoke run")
     parser.add_argument("--fsdp", action="store_true", help="torchrun with one rank per GPU and --policy_parallel fsdp")
@@ -85,7 +95,7 @@ def main():
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     else:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(args.gpus))
+        env["CUDA_VISIBLE_DEVICES"] = visible_gpus(args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     print("$ " + " ".join(command), flush=True)
     completed = subprocess.run(command, cwd=REPO_ROOT, env=env)
     if completed.returncode:

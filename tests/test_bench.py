@@ -66,3 +66,16 @@ def test_sampler_logprobs_bench_times_every_variant_and_profiles_the_engine(tmp_
     # the "all" batch went through vLLM's per-token log-prob bookkeeping; the profile shows it
     all_part, none_part = profile.split("=== none")
     assert "_update_sample_logprobs" in all_part and "_update_sample_logprobs" not in none_part
+
+
+def test_step_bench_runs_on_the_callers_gpus(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    from bench_step import visible_gpus
+
+    assert visible_gpus(1, None) == "0" and visible_gpus(2, None) == "0,1"
+    assert visible_gpus(1, "1") == "1"  # a lane pinned to GPU 1 stays there
+    assert visible_gpus(1, "3, 2") == "3"
+    with pytest.raises(SystemExit, match="--gpus 2, but CUDA_VISIBLE_DEVICES=1 leaves 1"):
+        visible_gpus(2, "1")
+    with pytest.raises(SystemExit, match="--gpus 1, but CUDA_VISIBLE_DEVICES= leaves 0"):
+        visible_gpus(1, "")
