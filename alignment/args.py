@@ -7,7 +7,6 @@ command fails in a second with one line naming the flag, before anything loads.
 """
 
 import argparse
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -256,6 +255,8 @@ def resolve_speed_flags(args, main_device, world_size: int = 1, config=None) -> 
     the plain path: compiled layers whenever the policy trains on a GPU; packed rows when the
     microbatches are cut by tokens (--microbatch_tokens) on a GPU with the varlen kernel. An
     explicit flag is kept. Returns a line for the log."""
+    from alignment.packing import HAS_VARLEN_KERNEL  # here, not at the top: it imports transformers
+
     gpu = str(main_device).startswith("cuda")
     auto = [name for name in ("torch_compile", "pack_sequences") if getattr(args, name) is None]
     if args.torch_compile is None:
@@ -266,7 +267,7 @@ def resolve_speed_flags(args, main_device, world_size: int = 1, config=None) -> 
     if args.pack_sequences is None:
         sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])  # packed attention is full causal only
         args.pack_sequences = (gpu and args.microbatch_tokens > 0 and args.logprob_chunk_size > 0 and args.policy_parallel == "layers"
-                               and not args.gradient_checkpointing and not sliding and importlib.util.find_spec("torch.nn.attention.varlen") is not None)
+                               and not args.gradient_checkpointing and not sliding and HAS_VARLEN_KERNEL)
     return (f"torch.compile {'on' if args.torch_compile else 'off'}, packed microbatches {'on' if args.pack_sequences else 'off'}, "
             f"microbatches of {f'{args.microbatch_tokens} tokens' if args.microbatch_tokens else f'{args.train_mini_batch_size} rows'}"
             + (f" ({' and '.join('--' + name for name in auto)} by default for {'a GPU' if gpu else 'a CPU'})" if auto else ""))
