@@ -1,77 +1,170 @@
-"""The peer: TRL's `GRPOTrainer` on workload W1, for a side-by-side step time.
+"""The peer: TRL's `GRPOTrainer`, on workload W1 (step time) or on GSM8K from a real model (learning).
 
-    PYTHONPATH=/tmp/site:$PWD python bench/bench_trl.py   # one GPU; TRL 1.16 + vLLM 0.26 carried
-    python bench/bench_trl.py --tiny --device cpu         # smoke run of this script (HF generation)
+    python bench/bench_trl.py                                   # W1, one GPU, TRL 1.16 + vLLM colocated
+    python bench/bench_trl.py --workload gsm8k --model CKPT     # GSM8K (bench_gsm8k.py runs this beside train_rl)
+    python bench/bench_trl.py --tiny --device cpu               # smoke run of this script (HF generation)
 
-TRL is not a dependency of this repo (CI does not run this file); on the GPU
-machine it travels as wheels (bench/prepare_device_carry.sh). The workload is
-bench_step.py's W1 on the same checkpoint (common.build_checkpoint): 32 prompts x 8
-samples = 256 completions of exactly 256 tokens per optimizer step, temperature 1,
-top_p 1, microbatch 32 x 8 accumulation steps, no reference model (beta 0), lr
-1e-6, vLLM colocated on the same GPU with 30% of its memory. Numerics are TRL's
-defaults: the policy loaded in fp32 (TRL's `model_init_kwargs` default) and
-trained under bf16 autocast, i.e. fp32 master weights, as train_rl does by
-default. The reward is a cheap stand-in (a random model never answers).
-Reports the median wall time of optimizer steps 2..N (step 1 pays warm-up).
+TRL is not a dependency of this repo (CI does not run this file): `pip install trl==1.16.0`.
+
+W1 is bench_step.py's workload on the same checkpoint (common.build_checkpoint): 32
+prompts x 8 samples = 256 completions of exactly 256 tokens per optimizer step,
+temperature 1, top_p 1, microbatch 32 x 8 accumulation steps, no reference model
+(beta 0), lr 1e-6, vLLM colocated on the same GPU with 30% of its memory. The reward
+is a cheap stand-in (a random model never answers).
+
+GSM8K trains `--model` on the train split with this project's r1_zero reward
+(`grade_responses`, the same call train_rl makes) and the settings bench_gsm8k.py
+passes: prompts per step, group size, response cap (stop at `</answer>`, kept),
+temperature, repetition penalty, learning rate held constant, Adam betas, one
+optimizer step per generation round. TRL's defaults that would make it another
+algorithm are set to train_rl's: the loss averages each sequence's tokens then the
+batch ("grpo", not "dapo"), no importance-sampling correction of the vLLM/trainer
+gap (train_rl has none when synchronous), no gradient checkpointing. Checkpoints every
+--save_every steps, for `alignment.evaluate`.
+
+Numerics are TRL's defaults in both: the policy loaded in fp32 (`model_init_kwargs`
+default) and trained under bf16 autocast, i.e. fp32 master weights, as train_rl does.
+Each step's wall time, TRL's own timers (generation, weight sync, reward, scoring,
+loss) and the GPU's peak memory go to <out>/steps.jsonl; the median of steps 2..N is printed.
 """
 
 import argparse
+import json
 import statistics
 import time
+from collections import defaultdict
+from pathlib import Path
 
 from common import REPO_ROOT, build_checkpoint, gsm8k_questions, write_result
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=["w1", "gsm8k"], default="w1")
+    parser.add_argument("--model", default=None, help="gsm8k: the start checkpoint (an HF folder)")
+    parser.add_argument("--data_dir", default=str(REPO_ROOT / "data" / "gsm8k"))
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--tiny", action="store_true", help="2-layer model, short completions, no vLLM: a smoke run")
+    parser.add_argument("--save_every", type=int, default=0, help="gsm8k: save a checkpoint every N steps (0 = none)")
+    parser.add_argument("--tiny", action="store_true", help="small model or batch, short completions, no vLLM: a smoke run")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for the smoke run")
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench"))
+    gsm8k = parser.add_argument_group("gsm8k settings (bench_gsm8k.py passes the ones train_rl gets)")
+    gsm8k.add_argument("--prompts_per_step", type=int, default=16)
+    gsm8k.add_argument("--group_size", type=int, default=8)
+    gsm8k.add_argument("--microbatch", type=int, default=32, help="completions per forward/backward")
+    gsm8k.add_argument("--max_tokens", type=int, default=512)
+    gsm8k.add_argument("--min_tokens", type=int, default=4)
+    gsm8k.add_argument("--temperature", type=float, default=1.0)
+    gsm8k.add_argument("--top_p", type=float, default=1.0)
+    gsm8k.add_argument("--repetition_penalty", type=float, default=1.1)
+    gsm8k.add_argument("--learning_rate", type=float, default=3e-6)
+    gsm8k.add_argument("--adam_beta2", type=float, default=0.95)
     args = parser.parse_args()
 
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
     from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.extras import profiling
 
-    from alignment.data import format_r1_zero_prompt
+    use_vllm = args.device == "cuda"
+    if args.workload == "w1":
+        from alignment.data import format_r1_zero_prompt
 
-    checkpoint = build_checkpoint(REPO_ROOT / "runs" / "bench" / ("model_tiny" if args.tiny else "model"), args.tiny)
-    prompts = [format_r1_zero_prompt(q) for q in gsm8k_questions()[:64]]
-    completions, generations, microbatch = (16, 4, 8) if args.tiny else (256, 8, 32)
+        model = str(build_checkpoint(REPO_ROOT / "runs" / "bench" / ("model_tiny" if args.tiny else "model"), args.tiny))
+        dataset = Dataset.from_dict({"prompt": [format_r1_zero_prompt(q) for q in gsm8k_questions()[:64]]})
+        completions, generations, microbatch = (16, 4, 8) if args.tiny else (256, 8, 32)
+        settings = dict(per_device_train_batch_size=microbatch, gradient_accumulation_steps=8, num_generations=generations,
+                        max_completion_length=completions, generation_kwargs={"min_tokens": completions} if use_vllm else None,
+                        temperature=1.0, top_p=1.0, beta=0.0, learning_rate=1e-6, save_strategy="no")
+
+        def reward(completions, **_):
+            return [float(len(text) % 7) / 7 for text in completions]  # varies, so advantages are non-zero
+    else:
+        from alignment.data import Gsm8kDataset
+        from alignment.drgrpo_grader import grade_responses
+
+        if not args.model:
+            parser.error("--workload gsm8k needs --model")
+        model = args.model
+        train = Gsm8kDataset("train", args.data_dir)
+        dataset = Dataset.from_dict({"prompt": train.prompts, "ground_truth": train.ground_truths})
+        completions = args.prompts_per_step * args.group_size
+        microbatch = min(args.microbatch, completions)
+        if completions % microbatch:
+            parser.error(f"--microbatch {microbatch} must divide the {completions} completions per step")
+        stop = {"stop": ["</answer>"], "include_stop_str_in_output": True}  # train_rl's SamplingSettings
+        settings = dict(
+            per_device_train_batch_size=microbatch, gradient_accumulation_steps=completions // microbatch, num_generations=args.group_size,
+            max_completion_length=args.max_tokens, generation_kwargs={**stop, "min_tokens": args.min_tokens} if use_vllm else None,
+            temperature=args.temperature, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+            beta=0.0, learning_rate=args.learning_rate, lr_scheduler_type="constant", adam_beta2=args.adam_beta2,
+            loss_type="grpo", scale_rewards="group", vllm_importance_sampling_correction=False,
+            save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500, save_only_model=True,
+        )
+
+        def reward(completions, ground_truth, **_):
+            return [score["reward"] for score in grade_responses(completions, ground_truth)]
+
     config = GRPOConfig(
-        output_dir=str(REPO_ROOT / "runs" / "bench" / "trl_work"),
-        per_device_train_batch_size=microbatch, gradient_accumulation_steps=8, num_generations=generations,
-        max_completion_length=completions, generation_kwargs={"min_tokens": completions} if not args.tiny else None,
-        temperature=1.0, top_p=1.0, beta=0.0, learning_rate=1e-6, bf16=not args.tiny, use_cpu=args.device == "cpu",
-        use_vllm=not args.tiny, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, gradient_checkpointing=False,
-        max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+        output_dir=str(Path(args.out) if args.workload == "gsm8k" else REPO_ROOT / "runs" / "bench" / "trl_work"),
+        bf16=use_vllm, use_cpu=args.device == "cpu", use_vllm=use_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        gradient_checkpointing=False, max_steps=args.steps, logging_steps=1, report_to="none", seed=0, **settings,
     )
 
+    timers = defaultdict(float)  # TRL's own profiling timers, summed per optimizer step
+    original_log = profiling.ProfilingContext._log_metrics
+
+    def record(self, duration):
+        timers[self.name.rpartition("GRPOTrainer.")[2]] += duration
+        original_log(self, duration)
+
+    profiling.ProfilingContext._log_metrics = record
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps_log = out / "steps.jsonl"
+    steps_log.unlink(missing_ok=True)
+
     class StepClock(TrainerCallback):
+        """Each optimizer step's wall time, TRL's timers and reward, one JSON line per step."""
+
         def __init__(self):
-            self.marks = []
+            self.began = self.last = None
+            self.rewards = {}
 
         def on_step_begin(self, *_, **__):
-            if not self.marks:
-                self.marks.append(time.perf_counter())
+            if self.began is None:
+                self.began = self.last = time.perf_counter()
 
-        def on_step_end(self, *_, **__):
-            self.marks.append(time.perf_counter())
+        def on_log(self, _args, state, _control, logs=None, **__):
+            if logs and "reward" in logs:
+                self.rewards[state.global_step] = logs["reward"]
 
-    def cheap_reward(completions, **_):
-        return [float(len(text) % 7) / 7 for text in completions]  # varies, so advantages are non-zero
+        def on_step_end(self, _args, state, *_, **__):
+            import torch
+
+            now = time.perf_counter()
+            row = {"step": state.global_step, "step_seconds": now - self.last, "elapsed_seconds": now - self.began,
+                   "generate_seconds": timers.get("vLLM.generate", timers.get("transformers.generate")), "sync_seconds": timers.get("sync_weights"),
+                   "timers": dict(timers), "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+            self.last = now
+            timers.clear()
+            with open(steps_log, "a") as handle:
+                handle.write(json.dumps(row) + "\n")
+
+        def on_train_end(self, *_, **__):  # rewards are logged after on_step_end: add them to the rows now
+            rows = [json.loads(line) for line in steps_log.read_text().splitlines()]
+            steps_log.write_text("".join(json.dumps({**row, "reward": self.rewards.get(row["step"])}) + "\n" for row in rows))
 
     clock = StepClock()
-    trainer = GRPOTrainer(model=str(checkpoint), reward_funcs=cheap_reward, args=config,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[clock])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[clock])
     print(f"TRL policy dtype {next(trainer.model.parameters()).dtype}, bf16 autocast {config.bf16}", flush=True)
     trainer.train()
-    seconds = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
-    measured = seconds[1:] if len(seconds) > 1 else seconds
-    row = {"row": "trl_grpo_w1" + ("_tiny" if args.tiny else ""), "steps": len(seconds), "median_step_seconds": statistics.median(measured),
-           "step_seconds": [round(s, 2) for s in seconds], "policy_dtype": str(next(trainer.model.parameters()).dtype)}
-    write_result(args.out, row["row"], [row])
+    rows = [json.loads(line) for line in steps_log.read_text().splitlines()]
+    measured = [row["step_seconds"] for row in rows[1:]] or [row["step_seconds"] for row in rows]
+    name = f"trl_grpo_{args.workload}" + ("_tiny" if args.tiny else "")
+    write_result(args.out, name, [{"row": name, "steps": len(rows), "median_step_seconds": statistics.median(measured),
+                                   "step_seconds": [round(row["step_seconds"], 2) for row in rows],
+                                   "policy_dtype": str(next(trainer.model.parameters()).dtype)}])
 
 
 if __name__ == "__main__":

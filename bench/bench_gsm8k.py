@@ -1,0 +1,305 @@
+"""GSM8K with a real pretrained model, end to end, beside TRL: the recipe and its measurement.
+
+    python bench/bench_gsm8k.py --model models/qwen15 --gpus 0,1     # two GPUs: ours on the first, TRL on the second
+    python bench/bench_gsm8k.py --model models/qwen15 --gpus 0       # one GPU: the same stages one after another
+    python bench/bench_gsm8k.py --model models/qwen15 --gpus 0 --no-trl
+    python bench/bench_gsm8k.py --model models/smol --device cpu --tiny   # smoke run of this script on a CPU
+
+Every stage is the project's own command line, so this file is also the recipe a
+user follows by hand (the README's "GSM8K with a pretrained model" lists the same
+commands):
+
+1. `alignment.evaluate` the start model on the whole test split (greedy, r1_zero prompt);
+2. `alignment.train_sft` on the train split (the seed's stage), then evaluate it the same way;
+3. RL starts from whichever of the two scored higher (ties: SFT, the seed's order);
+4. `alignment.train_rl` from there, evaluating on the whole test split every
+   --evaluate_freq steps on its synced sampler;
+5. TRL's `GRPOTrainer` from the same start with the same settings (bench_trl.py
+   --workload gsm8k: same prompts, reward function, group size, prompts per step,
+   response cap, temperature, learning rate and schedule, Adam betas, no KL, fp32
+   master weights with bf16 autocast, vLLM colocated), its checkpoints evaluated by
+   `alignment.evaluate` like ours.
+
+With two GPUs, TRL and the base-model evaluation run on the second GPU while ours
+runs on the first, each alone on its GPU (the host is shared). Writes
+<out>/summary.json, <out>/gsm8k_curves.png and one log per stage.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from common import REPO_ROOT
+
+from alignment.plot import read_jsonl
+
+# The RL settings both trainers get (why each, in bench/RESULTS.md "GSM8K, a real model").
+RL = {
+    "prompts_per_step": 16,
+    "group_size": 8,
+    "max_tokens": 512,  # the start model's answers are ~150-300 tokens; 512 leaves room and bounds the step's tail
+    "min_tokens": 4,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "repetition_penalty": 1.1,  # the seed's
+    "learning_rate": 3e-6,
+    "adam_betas": (0.9, 0.95),
+}
+TINY_RL = {**RL, "prompts_per_step": 2, "group_size": 4, "max_tokens": 24, "learning_rate": 1e-5}
+
+
+def train_rl_flags(rl: dict) -> list[str]:
+    return [
+        "--rollout_batch_size", str(rl["prompts_per_step"]), "--group_size", str(rl["group_size"]),
+        "--sampling_max_tokens", str(rl["max_tokens"]), "--sampling_min_tokens", str(rl["min_tokens"]),
+        "--sampling_temperature", str(rl["temperature"]), "--sampling_top_p", str(rl["top_p"]),
+        "--repetition_penalty", str(rl["repetition_penalty"]), "--learning_rate", str(rl["learning_rate"]),
+        "--adam_betas", *map(str, rl["adam_betas"]), "--kl_coef", "0", "--no-log_reference_kl",
+    ]
+
+
+def trl_flags(rl: dict) -> list[str]:
+    return [
+        "--prompts_per_step", str(rl["prompts_per_step"]), "--group_size", str(rl["group_size"]), "--max_tokens", str(rl["max_tokens"]),
+        "--min_tokens", str(rl["min_tokens"]), "--temperature", str(rl["temperature"]), "--top_p", str(rl["top_p"]),
+        "--repetition_penalty", str(rl["repetition_penalty"]), "--learning_rate", str(rl["learning_rate"]),
+        "--adam_beta2", str(rl["adam_betas"][1]),
+    ]
+
+
+class Lane:
+    """Stages that run one after another on one GPU (or the CPU), each a logged subprocess."""
+
+    def __init__(self, name: str, gpu: str | None, out: Path):
+        self.name, self.out = name, out
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        self.env["CUDA_VISIBLE_DEVICES"] = gpu if gpu is not None else ""
+        for variable in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+            self.env[variable] = str(out / "caches" / name / variable.lower())  # two lanes never share a compile cache
+
+    def run(self, stage: str, command: list[str], deadline: float | None = None) -> float:
+        """Run one stage to the end, or to `deadline` (time.time()); returns its minutes.
+
+        Past the deadline the stage gets SIGTERM (train_rl finishes its step and exits; its
+        evaluations so far are logged), then SIGKILL a minute later. Any other failure stops
+        the benchmark."""
+        started = time.perf_counter()
+        print(f"[{self.name}] {stage}: {' '.join(command)}", flush=True)
+        with open(self.out / f"{stage}.log", "w") as log:
+            process = subprocess.Popen(command, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                code = process.wait(timeout=None if deadline is None else max(deadline - time.time(), 1))
+            except subprocess.TimeoutExpired:
+                print(f"[{self.name}] {stage}: deadline reached, stopping it", flush=True)
+                process.terminate()
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+                code = 0
+        minutes = (time.perf_counter() - started) / 60
+        print(f"[{self.name}] {stage}: exit {code} after {minutes:.1f} min", flush=True)
+        if code:
+            raise SystemExit(f"{stage} failed (exit {code}); see {self.out / f'{stage}.log'}")
+        return minutes
+
+
+def evaluate(lane: Lane, stage: str, model: Path, args) -> float:
+    """`alignment.evaluate` on the test split (greedy, r1_zero); returns the accuracy."""
+    command = [sys.executable, "-m", "alignment.evaluate", "--model_path", str(model), "--output_dir", str(lane.out / stage),
+               "--data_dir", str(args.data_dir), "--device", args.device_name, "--max_tokens", str(args.eval_max_tokens)]
+    if args.eval_num_examples:
+        command += ["--num_examples", str(args.eval_num_examples)]
+    command += ["--vllm_kv_cache_gb", "1"] if args.device == "cpu" else ["--vllm_enforce_eager"]  # one generate: no compile to amortise
+    lane.run(stage, command)
+    return json.loads((lane.out / stage / "metrics.json").read_text())["avg_all_rewards"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, type=Path, help="the start model: an HF folder (e.g. a converted Qwen2.5 Instruct)")
+    parser.add_argument("--gpus", default="0", help="one GPU id (every stage on it) or two (ours on the first, TRL and the base evaluation on the second)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a few examples, steps and tokens: checks the script, measures nothing")
+    parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True, help="run TRL beside ours (needs `trl` installed)")
+    parser.add_argument("--rl_steps", type=int, default=160)
+    parser.add_argument("--evaluate_freq", type=int, default=20)
+    parser.add_argument("--trl_steps", type=int, default=40)
+    parser.add_argument("--trl_save_every", type=int, default=20, help="TRL checkpoints evaluated by alignment.evaluate every N steps")
+    parser.add_argument("--trl_microbatch", type=int, default=8, help="TRL completions per forward/backward (32 ran out of memory on an H200 beside its engine)")
+    parser.add_argument("--rl_deadline_minutes", type=float, default=None,
+                        help="stop both RL runs this many minutes after the script started (what they logged by then is reported)")
+    parser.add_argument("--sft_flags", default="--num_epochs 1 --batch_size 32 --microbatch_size 32 --eval_num_examples 64",
+                        help="train_sft flags (its own end-of-training evaluation is HF generate on --eval_num_examples; the recipe's is alignment.evaluate)")
+    parser.add_argument("--data_dir", type=Path, default=REPO_ROOT / "data" / "gsm8k")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "gsm8k")
+    parser.add_argument("--summarize_only", action="store_true", help="run nothing: rebuild summary.json and the PNG from --out")
+    parser.add_argument("--rl_run", default="rl", help="with --summarize_only: our run's name under <out>/runs")
+    parser.add_argument("--trl_dir", default="trl", help="with --summarize_only: TRL's folder under <out> (its evaluations are eval_<trl_dir>_<step>)")
+    args = parser.parse_args()
+
+    rl = TINY_RL if args.tiny else RL
+    if args.summarize_only:
+        write_summary(args.out, args.model, args.gpus, rl, args.rl_run, args.trl_dir)
+        return
+    args.eval_num_examples = 8 if args.tiny else None  # None: the whole test split (1,319)
+    args.eval_max_tokens = 32 if args.tiny else 1024
+    args.device_name = "cpu" if args.device == "cpu" else "cuda:0"  # each lane sees its own GPU as cuda:0
+    args.out.mkdir(parents=True, exist_ok=True)
+    deadline = time.time() + 60 * args.rl_deadline_minutes if args.rl_deadline_minutes else None
+    gpus = [g.strip() for g in args.gpus.split(",")] if args.device == "cuda" else [None]
+    ours = Lane("ours", gpus[0], args.out)
+    peer = Lane("peer", gpus[1], args.out) if len(gpus) > 1 else ours
+    common = ["--data_dir", str(args.data_dir)]
+    sft = args.out / "sft"
+
+    # 1-2. the start model and the SFT stage, on the two lanes at once when there are two
+    def sft_stage():
+        if not (sft / "config.json").is_file():
+            tiny = ["--num_train_examples", "16", "--max_steps", "2", "--batch_size", "8", "--microbatch_size", "8", "--eval_num_examples", "2", "--eval_max_tokens", "8"]
+            ours.run("sft", [sys.executable, "-m", "alignment.train_sft", "--model", str(args.model), "--checkpoint_path", str(sft),
+                             "--log_dir", str(args.out / "runs"), *common, *(tiny if args.tiny else args.sft_flags.split())])
+        return evaluate(ours, "eval_sft", sft, args)
+
+    with ThreadPoolExecutor(2) as pool:
+        base = pool.submit(evaluate, peer, "eval_base", args.model, args)
+        tuned = pool.submit(sft_stage) if peer is not ours else None
+        base, tuned = base.result(), (tuned.result() if tuned else sft_stage())
+    start = sft if tuned >= base else args.model  # ties: SFT, the seed's order
+    print(f"base {base:.3f}, SFT {tuned:.3f}: RL starts from {start}", flush=True)
+
+    # 3-4. ours and TRL from the same start
+    def our_rl():
+        command = [sys.executable, "-m", "alignment.train_rl", "--sft_checkpoint_path", str(start), "--checkpoint_path", str(args.out / "rl"),
+                   "--log_dir", str(args.out / "runs"), "--run_name", "rl", "--layout", "auto", *common, *train_rl_flags(rl),
+                   "--max_steps", str(2 if args.tiny else args.rl_steps), "--evaluate_freq", str(1 if args.tiny else args.evaluate_freq),
+                   "--eval_max_tokens", str(args.eval_max_tokens)]
+        if args.tiny:
+            command += ["--eval_num_examples", str(args.eval_num_examples), "--vllm_kv_cache_gb", "1"]
+        elif args.device == "cuda":
+            command += ["--microbatch_tokens", "16384"]  # packed microbatches beside the colocated engine
+        ours.run("rl", command, deadline)
+
+    def trl_rl():
+        steps, save_every = (2, 1) if args.tiny else (args.trl_steps, args.trl_save_every)
+        peer.run("trl", [sys.executable, str(REPO_ROOT / "bench" / "bench_trl.py"), "--workload", "gsm8k", "--model", str(start),
+                         "--data_dir", str(args.data_dir), "--out", str(args.out / "trl"), "--steps", str(steps), "--save_every", str(save_every),
+                         "--microbatch", str(args.trl_microbatch), "--device", args.device, *trl_flags(rl), *(["--tiny"] if args.tiny else [])], deadline)
+        for step in range(save_every, steps + 1, save_every):
+            if (args.out / "trl" / f"checkpoint-{step}" / "config.json").is_file():  # not when stopped at the deadline before this save
+                evaluate(peer, f"eval_trl_{step}", args.out / "trl" / f"checkpoint-{step}", args)
+
+    with ThreadPoolExecutor(2) as pool:
+        ours_done = pool.submit(our_rl)
+        trl_done = pool.submit(trl_rl) if args.trl and peer is not ours else None
+        ours_done.result()
+        if args.trl:
+            try:
+                trl_done.result() if trl_done else trl_rl()
+            except SystemExit as failure:  # ours is still summarised
+                print(f"TRL: {failure}", flush=True)
+    write_summary(args.out, args.model, args.gpus, rl)
+
+
+def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str = "rl", trl_dir: str = "trl") -> dict:
+    """summary.json, gsm8k_curves.png and a printed table, from what the stages wrote in `out`."""
+    summary = {"model": str(model), "gpus": gpus, "rl_settings": {k: list(v) if isinstance(v, tuple) else v for k, v in rl.items()}}
+    for stage in ("eval_base", "eval_sft"):
+        metrics = json.loads((out / stage / "metrics.json").read_text())
+        summary[stage] = {key: metrics[key] for key in ("avg_all_rewards", "format_reward", "mean_response_tokens", "num_examples")}
+    summary["rl_start"] = "sft" if summary["eval_sft"]["avg_all_rewards"] >= summary["eval_base"]["avg_all_rewards"] else "base"
+    summary.update(read_ours(out / "runs" / rl_run))
+    summary["eval_trl"] = {int(path.name.rpartition("_")[2]): json.loads((path / "metrics.json").read_text())
+                           for path in out.glob(f"eval_{trl_dir}_*") if (path / "metrics.json").is_file()}
+    if (out / trl_dir / "steps.jsonl").is_file():
+        summary.update(read_trl(out / trl_dir))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    draw(summary, out / "gsm8k_curves.png")
+    print_table(summary)
+    return summary
+
+
+def read_ours(run_dir: Path) -> dict:
+    """Our run's evaluations and per-step seconds, from train_rl's logs."""
+    steps, evals = read_jsonl(run_dir / "steps.jsonl"), read_jsonl(run_dir / "evals.jsonl")
+    later = steps[1:] or steps  # step 1 pays the compile
+    breakdown = {key: _median([row.get(f"perf/{key}_seconds") for row in later]) for key in ("step", "rollout", "reward", "logprobs", "update", "sync", "eval")}
+    # training time to each step, without the evaluations (TRL's run has none inside it)
+    elapsed, train_seconds = 0.0, {}
+    for row in steps:
+        elapsed += row["perf/step_seconds"] - (row.get("perf/eval_seconds") or 0.0)
+        train_seconds[row["step"]] = elapsed
+    return {"ours_evals": [{"step": e["step"], "accuracy": e["avg_all_rewards"], "format": e["format_reward"],
+                            "train_minutes": train_seconds.get(e["step"], elapsed) / 60} for e in evals],
+            "ours_median_seconds": breakdown, "ours_peak_memory_gib": max((row.get("perf/peak_memory_gib") or 0) for row in steps) if steps else None,
+            "ours_train_reward": [(row["step"], row["train/reward"]) for row in steps]}
+
+
+def read_trl(out: Path) -> dict:
+    """TRL's per-step seconds, rewards and timings (bench_trl.py --workload gsm8k writes them)."""
+    rows = read_jsonl(out / "steps.jsonl")
+    later = rows[1:] or rows
+    timers = sorted({name for row in later for name in row.get("timers", {})})
+    return {"trl_median_seconds": {"step": _median([r["step_seconds"] for r in later]), **{name: _median([r["timers"].get(name) for r in later]) for name in timers}},
+            "trl_train_minutes": {r["step"]: r["elapsed_seconds"] / 60 for r in rows},
+            "trl_peak_memory_gib": max((r.get("peak_memory_gib") or 0) for r in rows) if rows else None,
+            "trl_train_reward": [(r["step"], r.get("reward")) for r in rows]}
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def draw(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    start = summary["eval_sft" if summary["rl_start"] == "sft" else "eval_base"]["avg_all_rewards"]
+    ours = [(0, 0.0, start)] + [(e["step"], e["train_minutes"], e["accuracy"]) for e in summary.get("ours_evals", [])]
+    trl = [(0, 0.0, start)] + [(int(step), summary.get("trl_train_minutes", {}).get(int(step), float("nan")), e["avg_all_rewards"])
+                               for step, e in sorted(summary.get("eval_trl", {}).items(), key=lambda item: int(item[0]))]
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for axis, index, label in ((axes[0], 0, "RL step"), (axes[1], 1, "training minutes (evaluations excluded)")):
+        axis.plot([p[index] for p in ours], [p[2] for p in ours], marker="o", markersize=3, label="alignment train_rl")
+        if len(trl) > 1:
+            axis.plot([p[index] for p in trl], [p[2] for p in trl], marker="s", markersize=4, label="TRL GRPOTrainer")
+        axis.set_xlabel(label, fontsize=8)
+        axis.set_ylabel("GSM8K test accuracy (greedy, 1,319)", fontsize=8)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    for key, label in (("ours_train_reward", "alignment train_rl"), ("trl_train_reward", "TRL GRPOTrainer")):
+        points = [(s, r) for s, r in summary.get(key, []) if r is not None]
+        if points:
+            axes[2].plot([s for s, _ in points], [r for _, r in points], label=label, alpha=0.8)
+    axes[2].set_xlabel("RL step", fontsize=8)
+    axes[2].set_ylabel("train reward (sampled rollouts)", fontsize=8)
+    axes[2].grid(alpha=0.3)
+    axes[2].legend(fontsize=7)
+    figure.suptitle(f"GRPO on GSM8K from {Path(summary['model']).name} ({summary['rl_start']} start)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def print_table(summary: dict) -> None:
+    print(f"base {summary['eval_base']['avg_all_rewards']:.3f} | SFT {summary['eval_sft']['avg_all_rewards']:.3f} | RL start: {summary['rl_start']}")
+    for e in summary.get("ours_evals", []):
+        print(f"ours step {e['step']:>4}: accuracy {e['accuracy']:.3f} after {e['train_minutes']:.1f} training minutes")
+    for step, e in sorted(summary.get("eval_trl", {}).items(), key=lambda item: int(item[0])):
+        print(f"TRL  step {int(step):>4}: accuracy {e['avg_all_rewards']:.3f} after {summary.get('trl_train_minutes', {}).get(int(step), float('nan')):.1f} training minutes")
+    print(f"median seconds per step: ours {summary.get('ours_median_seconds')} | TRL {summary.get('trl_median_seconds')}")
+
+
+if __name__ == "__main__":
+    main()
