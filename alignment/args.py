@@ -53,6 +53,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _beta(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
@@ -149,7 +156,7 @@ def build_rl_parser() -> argparse.ArgumentParser:
     loss.add_argument("--epochs_per_rollout_batch", type=_positive_int, default=1, help="passes over one rollout batch before sampling again; >1 makes clipping matter")
     loss.add_argument("--learning_rate", type=_positive_float, default=1e-6, help="AdamW learning rate")
     loss.add_argument("--weight_decay", type=_non_negative_float, default=0.0, help="AdamW weight decay")
-    loss.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95), help="AdamW betas")
+    loss.add_argument("--adam_betas", type=_beta, nargs=2, default=(0.9, 0.95), help="AdamW betas, each in [0, 1)")
     loss.add_argument("--max_grad_norm", type=_positive_float, default=1.0, help="gradient clipping norm (seed: 1.0)")
     loss.add_argument("--warmup_steps", type=_non_negative_int, default=0, help="linear learning-rate warm-up, in optimizer steps")
     loss.add_argument("--num_epochs", type=_positive_int, default=1, help="passes over the training prompts; the policy is saved to --checkpoint_path after each (seed)")
@@ -207,6 +214,9 @@ def validate_rl_args(args) -> None:
         args.use_std_normalization = False  # advantages are unused; a group of one has no std
     elif args.group_size < 2:
         raise UserError(f"--group_size {args.group_size} with --loss_type {args.loss_type}: a group of one has zero advantage; use --group_size >= 2 or --loss_type no_baseline")
+    # flags left unset and filled in from others: a resume names a changed source flag before them
+    args.derived_flags = [name for name in ("train_batch_size", "cliprange_high", "scoring_temperature", "length_normalization_constant", "state_dir")
+                          if getattr(args, name) is None]
     total_rollouts = args.rollout_batch_size * args.group_size
     args.total_rollouts = total_rollouts
     if args.train_batch_size is None:
@@ -248,29 +258,31 @@ def validate_rl_args(args) -> None:
     _check_data_dir(args.data_dir)
 
 
-def resolve_speed_flags(args, main_device, world_size: int = 1, config=None) -> str:
-    """--torch_compile / --pack_sequences left at their default (None) -> on or off for this run.
+def resolve_speed_flags(args, main_device, world_size: int = 1, config=None) -> tuple[dict, str]:
+    """--torch_compile / --pack_sequences for this run: ({"torch_compile": bool, "pack_sequences": bool}, a line for the log).
 
-    Both are on where bench/RESULTS.md measured them faster and the tests show them equal to
-    the plain path: compiled layers whenever the policy trains on a GPU; packed rows when the
-    microbatches are cut by tokens (--microbatch_tokens) on a GPU with the varlen kernel. An
-    explicit flag is kept. Returns a line for the log."""
+    A flag left at its default (None) is on where bench/RESULTS.md measured it faster and the
+    tests show it equal to the plain path: compiled layers whenever the policy trains on a GPU;
+    packed rows when the microbatches are cut by tokens (--microbatch_tokens) on a GPU with the
+    varlen kernel. An explicit flag is kept. `args` is left as parsed."""
     from alignment.packing import HAS_VARLEN_KERNEL  # here, not at the top: it imports transformers
 
     gpu = str(main_device).startswith("cuda")
     auto = [name for name in ("torch_compile", "pack_sequences") if getattr(args, name) is None]
-    if args.torch_compile is None:
+    torch_compile, pack_sequences = args.torch_compile, args.pack_sequences
+    if torch_compile is None:
         # the hf backend samples with the policy itself when it syncs every step in one process:
         # generation through compiled layers would recompile per decoding length
         self_sampling = args.rollout_backend == "hf" and not args.rollout_staleness and args.rollout_sync_every == 1 and world_size == 1
-        args.torch_compile = gpu and not args.gradient_checkpointing and not self_sampling
-    if args.pack_sequences is None:
+        torch_compile = gpu and not args.gradient_checkpointing and not self_sampling
+    if pack_sequences is None:
         sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])  # packed attention is full causal only
-        args.pack_sequences = (gpu and args.microbatch_tokens > 0 and args.logprob_chunk_size > 0 and args.policy_parallel == "layers"
-                               and not args.gradient_checkpointing and not sliding and HAS_VARLEN_KERNEL)
-    return (f"torch.compile {'on' if args.torch_compile else 'off'}, packed microbatches {'on' if args.pack_sequences else 'off'}, "
+        pack_sequences = (gpu and args.microbatch_tokens > 0 and args.logprob_chunk_size > 0 and args.policy_parallel == "layers"
+                          and not args.gradient_checkpointing and not sliding and HAS_VARLEN_KERNEL)
+    line = (f"torch.compile {'on' if torch_compile else 'off'}, packed microbatches {'on' if pack_sequences else 'off'}, "
             f"microbatches of {f'{args.microbatch_tokens} tokens' if args.microbatch_tokens else f'{args.train_mini_batch_size} rows'}"
             + (f" ({' and '.join('--' + name for name in auto)} by default for {'a GPU' if gpu else 'a CPU'})" if auto else ""))
+    return {"torch_compile": bool(torch_compile), "pack_sequences": bool(pack_sequences)}, line
 
 
 # Flags that define an RL run: the data order, the rollouts and the loss depend on them,
@@ -284,7 +296,7 @@ RUN_DEFINING_FLAGS = (
     "rollout_tokens", "rollout_sync_every", "scoring_temperature", "dtype", "fp32_master_weights", "weight_decay",
     "adam_betas", "max_grad_norm", "rollout_staleness", "tis_cap",
 )
-_NOT_RECORDED = ("resume",)
+_NOT_RECORDED = ("resume", "derived_flags")
 _AUTO_FLAGS = ("torch_compile", "pack_sequences")  # None until resolve_speed_flags knows the device
 
 
@@ -292,10 +304,12 @@ def _plain(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def run_record(args, train_data_sha256: str) -> dict:
-    """What a training state records about its run: every flag, and the training data's SHA-256."""
+def run_record(args, train_data_sha256: str, run_id: str) -> dict:
+    """What a training state records about its run: every flag as parsed (before devices are
+    resolved), which of them were derived, the training data's SHA-256, and the run's id
+    (a state is removed at the end only by the run that wrote it)."""
     flags = {key: _plain(value) for key, value in sorted(vars(args).items()) if key not in _NOT_RECORDED}
-    return {"flags": flags, "train_data_sha256": train_data_sha256}
+    return {"flags": flags, "derived_flags": list(getattr(args, "derived_flags", [])), "train_data_sha256": train_data_sha256, "run_id": run_id}
 
 
 def check_resume_flags(saved: dict, args, train_data_sha256: str) -> list[str]:
@@ -305,7 +319,10 @@ def check_resume_flags(saved: dict, args, train_data_sha256: str) -> list[str]:
     one line per other flag that changed (those take effect).
     """
     flags = saved.get("flags", {})
-    for key in RUN_DEFINING_FLAGS:
+    derived = set(saved.get("derived_flags", [])) | set(getattr(args, "derived_flags", []))
+    # the flags a user sets first: a changed --sampling_max_tokens is named, not the
+    # --length_normalization_constant derived from it
+    for key in sorted(RUN_DEFINING_FLAGS, key=lambda name: name in derived):
         if key in flags and flags[key] != _plain(getattr(args, key)):
             raise UserError(
                 f"--resume: --{key} is {_plain(getattr(args, key))!r} but the run was started with {flags[key]!r}; "
@@ -421,16 +438,34 @@ def check_checkpoint(path, flag: str, hint: str) -> None:
     if local.exists():
         if not has_weights(local):
             raise UserError(f"{flag} {path} is not a checkpoint (needs config.json and model weights); {hint}")
+        read_model_config(local, flag)
     elif str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
         raise UserError(f"{flag} {path} does not exist; {hint}")
+
+
+def read_model_config(path, flag: str) -> dict | None:
+    """A local checkpoint's config.json as a dict (None for a hub id); UserError if it is not
+    a JSON object with the fields every causal LM here has."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        loaded = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"{flag} {path}: {config} is not readable JSON ({error}); the checkpoint is damaged, restore or re-save it") from None
+    if not isinstance(loaded, dict):
+        raise UserError(f"{flag} {path}: {config} is not a JSON object; the checkpoint is damaged, restore or re-save it")
+    field = loaded.get("num_hidden_layers", loaded.get("text_config", {}).get("num_hidden_layers") if isinstance(loaded.get("text_config"), dict) else None)
+    if not isinstance(field, int) or field <= 0:
+        raise UserError(f"{flag} {path}: {config} has no positive num_hidden_layers; the checkpoint is damaged, restore or re-save it")
+    return loaded
 
 
 def model_context_length(path) -> int | None:
     """max_position_embeddings from a local config.json, or None if unknown."""
     config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
     try:
-        return int(json.loads(config.read_text()).get("max_position_embeddings"))
-    except (ValueError, TypeError, json.JSONDecodeError):
+        loaded = json.loads(config.read_text(encoding="utf-8"))
+        return int(loaded["max_position_embeddings"]) if isinstance(loaded, dict) else None
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError):
         return None

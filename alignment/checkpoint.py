@@ -8,18 +8,25 @@ is two renames: `<path>` -> `<path>.old`, then tmp -> `<path>`; a crash between
 them leaves `<path>.old`, which `recover_checkpoint` renames back the next time
 anything reads the path.
 
-Each folder carries MANIFEST_NAME: who wrote it, what kind of folder it is, the size
-and SHA-256 of every file (and, for a training state, the flags that define the run).
-So the tool
-- replaces or removes only folders with its manifest: a user's folder at an output
-  path is refused at start-up with nothing touched (`check_output_path`);
-- finds a damaged file (truncated, zeroed, deleted) before using it (`verify_manifest`).
+Each folder carries MANIFEST_NAME: who wrote it, what kind of folder it is (KINDS),
+the size and SHA-256 of every file (and, for a training state, the flags that define
+the run and the id of the run that wrote it). So the tool
+- replaces or removes a folder only when its manifest names the kind about to be
+  written AND the folder holds exactly the manifest's files: a user's folder, a folder
+  of another kind (an SFT checkpoint as --state_dir), or one where a user added a file
+  is refused at start-up, naming the extra files, with nothing touched
+  (`check_output_path`); a training state is removed only by the run that wrote it;
+- gives every output its own folder: two roles on one path, or one inside another, are
+  refused before anything loads (`check_distinct_outputs`);
+- finds a damaged file (truncated, zeroed, deleted) before using it (`verify_manifest`,
+  `check_saved_model`, which also reads a foreign checkpoint's safetensors headers);
+- writes a marker into each log folder it uses, and refuses a folder of the user's
+  (`claim_log_folder`).
 `OutputLock` keeps a second run off the same paths (an exclusive `flock` on
 `<path>.lock`, released by the kernel when the process dies, so never stale), and the
 swap itself is serialised per path, within a process and across processes.
 """
 
-import errno
 import fcntl
 import hashlib
 import json
@@ -34,7 +41,10 @@ from pathlib import Path
 from alignment.errors import UserError
 
 MANIFEST_NAME = "alignment_manifest.json"
+LOG_MARKER_NAME = "alignment_log.json"
 WRITER = "alignment"
+# What a folder holds; a folder is replaced only by a write of its own kind.
+KINDS = ("sft_checkpoint", "rl_checkpoint", "eval_checkpoint", "training_state")
 
 
 # ------------------------------------------------------------------ ownership
@@ -49,27 +59,87 @@ def read_manifest(path) -> dict | None:
     return manifest if isinstance(manifest, dict) and manifest.get("written_by") == WRITER else None
 
 
-def is_owned(path) -> bool:
-    return read_manifest(path) is not None
-
-
 def _is_empty_folder(path: Path) -> bool:
     return path.is_dir() and not any(path.iterdir())
 
 
-def check_output_path(path, flag: str) -> None:
-    """Start-up check of a folder this run will write: ours, empty or absent, and writable.
+def _files_under(folder: Path) -> set[str]:
+    return {str(file.relative_to(folder)) for file in folder.rglob("*") if file.is_file() and file.name != MANIFEST_NAME}
 
-    Raises UserError (nothing touched) for a regular file at the path, a folder of
-    someone else's, or a location where nothing can be created.
+
+def ownership_problem(path, kind: str) -> str | None:
+    """Why the tool may not replace or remove `path` with a folder of `kind`, or None when it may.
+
+    It may when nothing is there, when the folder is empty, or when its manifest says this
+    tool wrote it as `kind` and the folder holds exactly the files the manifest lists (a file
+    the manifest lists but that is gone is damage to our own folder, not a user's file).
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return "is a file, not a folder"
+    if _is_empty_folder(path):
+        return None
+    manifest = read_manifest(path)
+    if manifest is None:
+        return "holds files this tool did not write"
+    if manifest.get("kind") != kind:
+        return f"holds a {manifest.get('kind') or 'folder of no known kind'} this tool wrote, not a {kind}"
+    extra = sorted(_files_under(path) - set(manifest.get("files", {})))
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        return f"holds files its manifest does not list ({shown}), added after this tool wrote it"
+    return None
+
+
+def check_output_path(path, flag: str, kind: str) -> None:
+    """Start-up check of a folder this run will write as `kind`: replaceable (see
+    `ownership_problem`) and writable.
+
+    Raises UserError (nothing touched) otherwise.
     """
     path = Path(path)
     recover_checkpoint(path)
-    if path.exists() and not path.is_dir():
+    problem = ownership_problem(path, kind)
+    if problem == "is a file, not a folder":
         raise UserError(f"{flag} {path} is a file, not a folder; pass a folder path (nothing was changed)")
-    if path.is_dir() and not _is_empty_folder(path) and not is_owned(path):
-        raise UserError(f"{flag} {path} holds files this tool did not write; pass another path or move them away (nothing was changed)")
+    if problem:
+        raise UserError(f"{flag} {path} {problem}; pass another path or move them away (nothing was changed)")
     check_writable(path.parent, flag, path)
+
+
+def check_distinct_outputs(paths_and_flags) -> None:
+    """One folder, one role: no two outputs resolve (symlinks followed) to the same folder or
+    one inside the other, and none is the root folder. One line naming both flags otherwise."""
+    resolved = []
+    for path, flag in paths_and_flags:
+        real = Path(path).expanduser().resolve()
+        if real == Path(real.anchor):
+            raise UserError(f"{flag} {path} is the root folder; pass a folder below it")
+        for other, other_flag in resolved:
+            if real == other or real.is_relative_to(other) or other.is_relative_to(real):
+                relation = "the same folder as" if real == other else ("inside" if real.is_relative_to(other) else "a folder that holds")
+                raise UserError(f"{flag} {path} is {relation} {other_flag} ({other}); give each output its own folder (nothing was changed)")
+        resolved.append((real, flag))
+
+
+def claim_log_folder(folder, flag: str) -> None:
+    """A log folder (TensorBoard events, steps.jsonl, metrics) is new, empty or marked as ours.
+
+    A folder holding files without our marker is the user's: refused, since a run overwrites
+    steps.jsonl, evals.jsonl and the final metrics there. Otherwise the marker is written.
+    """
+    folder = Path(folder)
+    marker = folder / LOG_MARKER_NAME
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{flag} {folder} is a file, not a folder; pass another --log_dir or --run_name (nothing was changed)")
+    if folder.is_dir() and not _is_empty_folder(folder) and not marker.is_file():
+        raise UserError(f"{flag} {folder} holds files this tool did not write; pass another --log_dir or --run_name, or move them away (nothing was changed)")
+    check_writable(folder, flag)
+    if not marker.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"written_by": WRITER, "kind": "log_folder"}) + "\n")
 
 
 def check_writable(folder, flag: str, target=None) -> None:
@@ -239,16 +309,18 @@ def _process_alive(pid: int) -> bool:
 def write_atomically(path, write_into, kind: str, record: dict | None = None) -> Path:
     """Call `write_into(temp_folder)`, add the manifest, then move the folder to `path`.
 
-    `kind` names the folder ("checkpoint", "training_state", ...); `record` adds fields
-    to the manifest. Refuses (UserError) to replace a folder this tool did not write.
-    A failed write (disk full, permissions) raises UserError and leaves the previous
-    folder at `path` as it was.
+    `kind` (one of KINDS) names the folder; `record` adds fields to the manifest. Refuses
+    (UserError) to replace a folder that is not a `kind` this tool wrote with exactly its
+    files (`ownership_problem`). Any failure of the write (disk full, permissions, a
+    serialiser's RuntimeError) raises UserError naming the path and the free space, removes
+    the temp folder, and leaves the previous folder at `path` as it was.
     """
     path = Path(path)
     with _swap_lock(path):
         recover_checkpoint(path)
-        if path.exists() and not (path.is_dir() and (is_owned(path) or _is_empty_folder(path))):
-            raise UserError(f"{path} holds files this tool did not write; it was left as it is, and nothing was saved there")
+        problem = ownership_problem(path, kind)
+        if problem:
+            raise UserError(f"{path} {problem}; it was left as it is, and nothing was saved there")
         temp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -264,12 +336,25 @@ def write_atomically(path, write_into, kind: str, record: dict | None = None) ->
             os.rename(temp, path)
             if old.exists():
                 shutil.rmtree(old)
-        except OSError as error:
+        except Exception as error:  # OSError, and torch.save's RuntimeError on a full disk
             shutil.rmtree(temp, ignore_errors=True)
             kept = f"the previous {path} is intact" if path.exists() else f"nothing was at {path} before"
-            hint = "free some space" if error.errno == errno.ENOSPC else "check the path"
-            raise UserError(f"could not write {path} ({error.strerror or error}); {kept}; {hint} and run again (--resume continues from the last saved state)") from None
+            reason = (error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0] if str(error) else type(error).__name__)
+            raise UserError(f"could not write {path} ({reason}; {_free_space(path.parent)} free there); {kept}; "
+                            "free some space or check the path, and run again (--resume continues from the last saved state)") from None
     return path
+
+
+def _free_space(folder: Path) -> str:
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return "unknown space"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if free >= size:
+            return f"{free / size:.1f} {unit}"
+    return f"{free} bytes"
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -279,14 +364,21 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(handle.fileno())
 
 
-def remove_output(path) -> None:
-    """Delete a folder this tool wrote; anything else is left alone."""
-    if is_owned(path):
-        shutil.rmtree(path, ignore_errors=True)
+def remove_output(path, kind: str, run_id: str | None = None) -> bool:
+    """Delete a folder this tool wrote as `kind`, holding exactly its manifest's files; with
+    `run_id`, only if the run that wrote it (its manifest's run record) has that id. Anything
+    else is left alone. Returns whether it was removed."""
+    path = Path(path)
+    if not path.is_dir() or _is_empty_folder(path) or ownership_problem(path, kind):
+        return False
+    if run_id is not None and (read_manifest(path).get("run") or {}).get("run_id") != run_id:
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
 
 
-def save_model_atomically(model, tokenizer, path, state_dict=None) -> Path:
-    """`save_pretrained` of model and tokenizer into `path`, atomically, with a manifest.
+def save_model_atomically(model, tokenizer, path, kind: str, state_dict=None) -> Path:
+    """`save_pretrained` of model and tokenizer into `path`, atomically, with a manifest of `kind`.
 
     The result is an ordinary Hugging Face folder that transformers and vLLM load.
     `state_dict` overrides the model's own (full weights gathered from FSDP shards).
@@ -296,13 +388,39 @@ def save_model_atomically(model, tokenizer, path, state_dict=None) -> Path:
         model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(folder)
 
-    return write_atomically(path, write, kind="checkpoint")
+    return write_atomically(path, write, kind=kind)
 
 
 def check_saved_model(path, what: str) -> None:
-    """Before using a checkpoint: verify it when this tool wrote it (others cannot be checked)."""
-    if is_owned(path):
+    """Before loading a checkpoint folder: every file its manifest lists is as written (size
+    and SHA-256), when this tool wrote it; otherwise (a folder from the Hub, say) each
+    safetensors file is as long as its own header says. UserError naming the file if not."""
+    path = Path(path)
+    if not path.is_dir():
+        return  # a hub id: transformers fetches and checks it
+    if read_manifest(path) is not None:
         verify_manifest(path, what)
+        return
+    for file in sorted(path.glob("*.safetensors")):
+        expected = _safetensors_length(file)
+        if expected is None:
+            raise UserError(f"{file} is not a readable safetensors file (its header is damaged); {what}")
+        if file.stat().st_size != expected:
+            raise UserError(f"{file} is damaged: {file.stat().st_size} bytes, its header describes {expected}; {what}")
+
+
+def _safetensors_length(file: Path) -> int | None:
+    """The byte length a safetensors file's header implies (8 + header + the end of the last tensor)."""
+    try:
+        with open(file, "rb") as handle:
+            header_length = int.from_bytes(handle.read(8), "little")
+            if not 0 < header_length <= min(100_000_000, file.stat().st_size):
+                return None
+            header = json.loads(handle.read(header_length))
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        return 8 + header_length + max(ends, default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
 
 
 # ------------------------------------------------------------------ training state
@@ -316,8 +434,8 @@ def save_training_state(state_dir, model, tokenizer, model_state: dict, optimize
     scheduler.pt, rng.pt (python, torch CPU and CUDA generators: tensors and plain
     values, loaded with weights_only) and counters.json (step, epoch, batch within the
     epoch, which fixes the data-loader position, and the TensorBoard step). `run` (the
-    flags that define the run, the data's fingerprint) goes into the manifest. Called
-    on one process; the caller gathers the states.
+    flags that define the run, the data's fingerprint, the run's id) goes into the
+    manifest. Called on one process; the caller gathers the states.
     """
     import random
 

@@ -84,16 +84,18 @@ def partition_model_across_devices(args, num_layers: int, num_gpus: int | None =
 
 
 def resolve_role_devices(args, num_layers: int, num_gpus: int | None = None) -> dict[str, object]:
-    """The role -> device table; fills args' device flags when --layout auto.
+    """The role -> device table: the device flags as given (seed), or with --layout auto the
+    placement for this machine's GPUs. `args` is left as parsed.
 
     Raises UserError naming the flag when a device does not exist.
     """
+    import argparse
+
     num_gpus = gpu_count() if num_gpus is None else num_gpus
     if args.layout == "auto":
         layout = auto_layout(num_gpus)
-        args.sample_device, args.reference_model_device, args.eval_device = layout["sample"], layout["reference"], layout["eval"]
-        if not args.policy_devices:
-            args.policy_devices = ",".join(layout["policy"])
+        args = argparse.Namespace(**{**vars(args), "sample_device": layout["sample"], "reference_model_device": layout["reference"],
+                                     "eval_device": layout["eval"], "policy_devices": args.policy_devices or ",".join(layout["policy"])})
     for flag, value in (("--sample_device", args.sample_device), ("--reference_model_device", args.reference_model_device), ("--eval_device", args.eval_device)):
         _check_device(value, flag, num_gpus)
     main_device, layer_devices = partition_model_across_devices(args, num_layers, num_gpus)
@@ -104,6 +106,11 @@ def resolve_role_devices(args, num_layers: int, num_gpus: int | None = None) -> 
         "policy_main": main_device,
         "policy_layers": layer_devices,
     }
+
+
+def one_device_roles(device: str, num_layers: int) -> dict[str, object]:
+    """Every role on one device: each rank's table under FSDP."""
+    return {"sample": device, "reference": device, "eval": device, "policy_main": device, "policy_layers": [device] * num_layers}
 
 
 def format_role_table(roles: dict[str, object]) -> str:

@@ -20,7 +20,6 @@ communication, where a sharded one would all-gather every layer on every pass.
 for the seed's one-process layer partition, where every call is a no-op.
 """
 
-import argparse
 import os
 
 import torch
@@ -172,24 +171,11 @@ def rank_slice(items: list, ranks) -> list:
     return items[start:stop]
 
 
-class NullWriter:
-    """TensorBoard for ranks other than 0: they compute, rank 0 writes."""
-
-    def add_scalar(self, *args, **kwargs):
-        pass
-
-    def add_text(self, *args, **kwargs):
-        pass
-
-    def close(self):
-        pass
-
-
 def save_policy(ranks, model, tokenizer, path) -> None:
     """Gather the full weights (a collective under torchrun); rank 0 writes the HF folder."""
     state_dict = ranks.full_state_dict_on_main(model)
     if ranks.is_main:
-        save_model_atomically(model, tokenizer, path, state_dict=state_dict)
+        save_model_atomically(model, tokenizer, path, "rl_checkpoint", state_dict=state_dict)
     ranks.barrier()
 
 
@@ -199,20 +185,6 @@ def check_fsdp_sizes(args, ranks) -> None:
         raise UserError(f"--rollout_batch_size {args.rollout_batch_size} must be divisible by the {ranks.world_size} ranks (each takes whole prompts)")
     if (args.train_batch_size // ranks.world_size) % args.train_mini_batch_size or args.train_batch_size % ranks.world_size:
         raise UserError(f"--train_batch_size {args.train_batch_size} / {ranks.world_size} ranks must be a multiple of --train_mini_batch_size {args.train_mini_batch_size}")
-
-
-def per_rank_args(args, ranks):
-    """A copy of args with this rank's share of an optimizer step's sequences.
-
-    Each rank averages its loss over its own sequences; FSDP averages gradients over
-    ranks, which is the mean over all sequences because the shares are equal.
-    """
-    if ranks.world_size == 1:
-        return args
-    local = argparse.Namespace(**vars(args))
-    local.train_batch_size = args.train_batch_size // ranks.world_size
-    local.gradient_accumulation_steps = local.train_batch_size // args.train_mini_batch_size
-    return local
 
 
 def reduce_reward_meta(meta: dict, raw_rewards, ranks) -> dict:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from alignment.args import check_checkpoint, parse_eval_args
+from alignment.checkpoint import check_distinct_outputs, check_saved_model, claim_log_folder
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -81,15 +82,15 @@ def write_json(path, value) -> None:
     temp.replace(path)
 
 
-def evaluate_in_subprocess(model_path, args, output_dir) -> dict:
-    """Run this module's CLI on `model_path` in a child process (vLLM on --eval_device).
+def evaluate_in_subprocess(model_path, args, output_dir, device: str) -> dict:
+    """Run this module's CLI on `model_path` in a child process (vLLM on `device`, the eval role's).
 
     `args` carries train_rl's eval flags. Returns the metrics with `samples`.
     """
     repo_root = Path(__file__).resolve().parent.parent
     command = [
         sys.executable, "-m", "alignment.evaluate", "--model_path", str(model_path), "--backend", "vllm",
-        "--device", args.eval_device, "--dtype", args.dtype, "--split", args.eval_split, "--data_dir", str(Path(args.data_dir).resolve()),
+        "--device", device, "--dtype", args.dtype, "--split", args.eval_split, "--data_dir", str(Path(args.data_dir).resolve()),
         "--output_dir", str(Path(output_dir).resolve()), "--seed", str(args.seed),
         "--temperature", str(args.eval_temperature), "--top_p", str(args.eval_top_p),
         "--min_tokens", str(args.eval_min_tokens), "--max_tokens", str(args.eval_max_tokens),
@@ -104,7 +105,7 @@ def evaluate_in_subprocess(model_path, args, output_dir) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(command, cwd=repo_root, env=env)
     if result.returncode:
-        raise UserError(f"evaluation of {model_path} on {args.eval_device} failed (exit {result.returncode}); its output is above")
+        raise UserError(f"evaluation of {model_path} on {device} failed (exit {result.returncode}); its output is above")
     metrics = json.loads((Path(output_dir) / "metrics.json").read_text())
     with open(Path(output_dir) / "samples.jsonl", encoding="utf-8") as handle:
         metrics["samples"] = [json.loads(line) for line in handle]
@@ -127,10 +128,14 @@ def format_metrics_table(metrics: dict, title: str) -> str:
 def main(argv=None) -> dict:
     args = parse_eval_args(argv)
     check_checkpoint(args.model_path, "--model_path", "pass a folder written by train_sft/train_rl or a hub id")
+    output_dir = Path(args.output_dir or Path("runs") / "eval" / Path(args.model_path).name)
+    if Path(args.model_path).exists():  # metrics written into a checkpoint would make it a folder the tool no longer owns
+        check_distinct_outputs([(args.model_path, "--model_path"), (output_dir, "--output_dir")])
+    check_saved_model(args.model_path, "it cannot be evaluated; restore it or pass another --model_path")
     dataset = Gsm8kDataset(args.split, args.data_dir, limit=args.num_examples)
+    claim_log_folder(output_dir, "--output_dir")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    output_dir = Path(args.output_dir or Path("runs") / "eval" / Path(args.model_path).name)
     engine = build_engine(args.backend, args.model_path, device, dtype, args.seed, args)
     import torch
 

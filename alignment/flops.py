@@ -42,3 +42,11 @@ def peak_flops(device: str, override_tflops: float | None = None) -> float | Non
         return None
     name = torch.cuda.get_device_name(torch.device(device))
     return next((peak for key, peak in DATASHEET_BF16_PEAK.items() if key in name.upper()), None)
+
+
+def policy_peak_flops(roles: dict, world_size: int, override_tflops: float | None = None) -> float | None:
+    """perf/mfu's denominator: the peak of every GPU the policy trains on (the FSDP ranks, or
+    the GPUs of the seed's layer partition); None where no peak is known."""
+    peak = peak_flops(roles["policy_main"], override_tflops)
+    gpus = world_size if world_size > 1 else len({str(d) for d in roles["policy_layers"]} | {str(roles["policy_main"])})
+    return peak * gpus if peak else None

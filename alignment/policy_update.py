@@ -2,17 +2,131 @@
 
 `update_policy` runs the microbatches of each optimizer step through
 `grpo_microbatch_train_step` (alignment/grpo.py), clips, and steps; `score_with` gives
-the frozen reference's (or the pre-update policy's) per-token log-probs. Used by
+the frozen reference's (or the pre-update policy's) per-token log-probs;
+`old_policy_log_probs` says which log-probs grpo_clip's ratio compares against. The
+settings come in one frozen `UpdateSettings`, built once from the flags. Used by
 train_rl and by the benchmarks, which time exactly this code.
 """
 
+from dataclasses import dataclass, fields, replace
+
 import torch
 
-from alignment import distributed
+from alignment import distributed, packing
+from alignment.devices import place_model
 from alignment.flops import update_flops
+from alignment.fused_logprobs import use_compiled_chunk_math
 from alignment.grpo import grpo_microbatch_train_step
 from alignment.precision import autocast
+from alignment.rollout import load_hf_model
 from alignment.sft_helpers import get_response_log_probs
+
+
+def prepare_policy(model, speed: dict, gradient_checkpointing: bool, main_device, layer_devices, ranks, compute_dtype) -> None:
+    """Make the policy (loaded on the CPU) trainable where it trains, in place.
+
+    `speed` says whether to compile (each decoder layer, and the output layer's softmax math)
+    and to pack microbatches (resolve_speed_flags); then FSDP2 shards it over the ranks, or
+    the seed's layer partition places it (`layer_devices`, one per decoder layer).
+    """
+    if speed["pack_sequences"]:
+        packing.require_support(main_device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    use_compiled_chunk_math(speed["torch_compile"])  # process-wide: set for this run whichever way, never left over from another
+    if speed["torch_compile"]:
+        compile_layers(model)
+    if ranks.world_size > 1:
+        model.to(main_device)
+        distributed.shard_policy(model, compute_dtype=compute_dtype)
+    else:
+        place_model(model, main_device, layer_devices)  # the seed's partition_model_across_devices
+    model.config.use_cache = False
+    model.train()
+
+
+def load_reference(path, device, dtype, torch_compile: bool):
+    """The frozen reference model (forward only, no gradients), compiled like the policy."""
+    reference = load_hf_model(path, device, dtype).eval().requires_grad_(False)
+    if torch_compile:
+        compile_layers(reference)
+    return reference
+
+
+def compile_layers(model) -> None:
+    for layer in model.model.layers:  # one graph for all layers; dynamic: widths vary per microbatch
+        layer.compile(dynamic=True)
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What `update_policy` needs from the flags (train_rl's --help says what each does)."""
+
+    loss_type: str = "grpo_clip"
+    old_policy: str = "rollout"
+    epochs_per_rollout_batch: int = 1
+    train_batch_size: int = 8  # sequences per optimizer step (this rank's share under FSDP)
+    train_mini_batch_size: int = 8  # rows per microbatch, when not cut by tokens
+    microbatch_tokens: int = 0
+    pack_sequences: bool = False
+    logprob_chunk_size: int = 1024
+    scoring_temperature: float = 1.0
+    cliprange: float = 0.2
+    cliprange_high: float = 0.2
+    length_normalization: str = "mean"
+    length_normalization_constant: float = 1.0
+    kl_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    one_step_off: bool = False  # --rollout_staleness > 0: rollouts from an older policy, corrected with the sampler's log-probs
+    tis_cap: float = 2.0
+    seed: int = 0
+
+    @classmethod
+    def from_args(cls, args, world_size: int = 1, pack_sequences: bool | None = None) -> "UpdateSettings":
+        """The flags' values; under FSDP each of `world_size` ranks takes an equal share of an
+        optimizer step's sequences (each rank averages over its own; FSDP averages the ranks).
+        `pack_sequences`: the value resolved for this device when the flag was left at auto."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values["one_step_off"] = bool(getattr(args, "rollout_staleness", 0))
+        values["pack_sequences"] = bool(values.get("pack_sequences") if pack_sequences is None else pack_sequences)
+        values["train_batch_size"] = args.train_batch_size // world_size
+        return cls(**values)
+
+    def with_changes(self, **changes) -> "UpdateSettings":
+        return replace(self, **changes)
+
+    def scoring_options(self, compute_dtype) -> dict:
+        """`score_with`'s keyword arguments: the reference and old-policy passes score as the update does."""
+        return {"chunk_size": self.logprob_chunk_size, "temperature": self.scoring_temperature, "compute_dtype": compute_dtype,
+                "pack": self.pack_sequences, "token_budget": self.microbatch_tokens}
+
+
+def old_policy_log_probs(settings: UpdateSettings, log_probs, ref_log_probs=None, sampler_log_probs=None, stored_old_log_probs=None):
+    """The log-probs grpo_clip's ratio compares the policy against (None for the other losses).
+
+    - `--old_policy reference` (the seed): the frozen start checkpoint's, `ref_log_probs`;
+    - one step off (--rollout_staleness): the sampler's own, the policy that sampled the batch;
+    - more than one optimizer step on a batch: `stored_old_log_probs`, the pre-update policy's,
+      scored once before the first step (train_rl's `score_with` pass);
+    - one optimizer step on fresh rollouts (the default): the policy's own, detached, since
+      the policy that sampled the batch is this one (ratio 1, no extra forward).
+    """
+    if settings.loss_type != "grpo_clip":
+        return None
+    if settings.old_policy == "reference":
+        return ref_log_probs
+    if sampler_log_probs is not None:
+        return sampler_log_probs
+    if stored_old_log_probs is not None:
+        return stored_old_log_probs
+    return log_probs.detach()
+
+
+def needs_old_policy_pass(settings: UpdateSettings, total_rollouts: int) -> bool:
+    """Whether grpo_clip needs the pre-update policy scored before the update: more than one
+    optimizer step on the batch, the ratio against the sampling policy, in sync."""
+    single_step = settings.epochs_per_rollout_batch == 1 and settings.train_batch_size == total_rollouts
+    return settings.loss_type == "grpo_clip" and settings.old_policy == "rollout" and not single_step and not settings.one_step_off
 
 
 @torch.no_grad()
@@ -41,26 +155,28 @@ def score_with(model, batch, rows_per_chunk, main_device, chunk_size, temperatur
     return result
 
 
-def update_policy(model, optimizer, scheduler, batch, args, main_device, compute_dtype=torch.float32, sort_by_length=True, ranks=distributed.SingleProcess(), step=0):
+def update_policy(model, optimizer, scheduler, batch, settings: UpdateSettings, main_device, compute_dtype=torch.float32, sort_by_length=True,
+                  ranks=distributed.SingleProcess(), step=0):
     """All optimizer steps for one rollout batch; returns summed metrics.
 
     `batch` holds (N, T) input_ids / labels / response_mask / ref_log_probs and
     (N,) raw_rewards and advantages for the N rollouts, plus old_log_probs when
     grpo_clip needs them from a separate pass. Microbatches of
-    --train_mini_batch_size are accumulated into optimizer steps of
-    --train_batch_size, for --epochs_per_rollout_batch passes. Rows are
+    `train_mini_batch_size` rows are accumulated into optimizer steps of
+    `train_batch_size`, for `epochs_per_rollout_batch` passes. Rows are
     length-sorted within each optimizer step so microbatches carry little padding
     (equal-size microbatches: the summed gradient does not depend on the order;
     the benchmarks pass sort_by_length=False to measure what it saves; with
-    --pack_sequences each microbatch's rows run as one padding-free sequence, same
-    rows and loss, no padding computed at all; with --microbatch_tokens the
-    microbatches are cut by computed tokens instead of rows, each weighted by its
-    share of the step's rows, so the loss is still the mean over the step). With more
-    than one pass the rows are shuffled per pass, seeded by (--seed, `step`).
+    `pack_sequences` each microbatch's rows run as one padding-free sequence, same
+    rows and loss, no padding computed at all; with `microbatch_tokens` the
+    microbatches are cut by computed tokens instead of rows). Each microbatch's mean
+    loss is weighted by its share of the step's rows, so the loss is the mean over
+    the step. With more than one pass the rows are shuffled per pass, seeded by
+    (seed, `step`).
 
     Forward passes run under autocast to `compute_dtype` (bf16 compute on fp32
     master weights); the loss and backward run outside it. Log-probs are scored
-    at `args.scoring_temperature`. When `batch` holds the sampler's own
+    at `scoring_temperature`. When `batch` holds the sampler's own
     `sampler_log_probs`, the rows of the first optimizer step (scored before any
     update, so by the weights that sampled them when the sampler is in sync) also
     give the sampler/trainer mismatch: summed |trainer - sampler| log-prob and
@@ -70,63 +186,49 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
     n_rollouts = batch["input_ids"].shape[0]
     lengths = batch["lengths"]
     totals = empty_totals()
-    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # a new order for every rollout batch
+    generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)  # a new order for every rollout batch
     mismatch = None  # device-side sums, read once at the end
     # per-microbatch metrics stay on the device and are read once at the end: a read
     # (.item()) would stall the host until the GPU drains, every microbatch
     sums = {key: torch.zeros((), device=main_device) for key in ("loss", "entropy", "clip_fraction", "kl_ref")}
-    # rollouts from an older policy (train_rl --rollout_staleness): correct with the sampler's log-probs
-    behaviour = "sampler_log_probs" in batch and getattr(args, "rollout_staleness", 0) > 0
-    cap = args.tis_cap if behaviour else float("inf")
-    packed, token_budget = getattr(args, "pack_sequences", False), getattr(args, "microbatch_tokens", 0)
-    for epoch in range(args.epochs_per_rollout_batch):
-        order = torch.randperm(n_rollouts, generator=generator).tolist() if args.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
-        for step_rows in _chunks(order, args.train_batch_size):
+    # rollouts from an older policy (one step off): corrected with the sampler's log-probs
+    behaviour = "sampler_log_probs" in batch and settings.one_step_off
+    cap = settings.tis_cap if behaviour else float("inf")
+    for epoch in range(settings.epochs_per_rollout_batch):
+        order = torch.randperm(n_rollouts, generator=generator).tolist() if settings.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
+        for step_rows in _chunks(order, settings.train_batch_size):
             if sort_by_length:
                 step_rows = sorted(step_rows, key=lambda row: lengths[row])
             finite = torch.ones((), dtype=torch.bool, device=main_device)
-            step_microbatches = microbatches(step_rows, lengths, args.train_mini_batch_size, token_budget, packed)
+            step_microbatches = microbatches(step_rows, lengths, settings.train_mini_batch_size, settings.microbatch_tokens, settings.pack_sequences)
             for index, rows in enumerate(step_microbatches):
                 if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients once per step
                     model.set_requires_gradient_sync(index == len(step_microbatches) - 1)
-                # each microbatch's mean loss, weighted by its share of the step's rows: with
-                # rows of equal counts that is the seed's / gradient_accumulation_steps
-                share = len(step_rows) / len(rows) if token_budget else args.gradient_accumulation_steps
                 width = max(lengths[row] for row in rows)
                 cpu_mask = batch["response_mask"][rows, :width]
                 input_ids, labels = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels"))
                 mask = cpu_mask.to(main_device)
                 ref = batch["ref_log_probs"][rows, :width].to(main_device) if "ref_log_probs" in batch else None
                 with autocast(main_device, compute_dtype):
-                    out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=args.logprob_chunk_size,
-                                                 temperature=args.scoring_temperature, positions=cpu_mask,
-                                                 lengths=[lengths[row] for row in rows] if packed else None)
+                    out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=settings.logprob_chunk_size,
+                                                 temperature=settings.scoring_temperature, positions=cpu_mask,
+                                                 lengths=[lengths[row] for row in rows] if settings.pack_sequences else None)
                 log_probs = out["log_probs"]
                 sampler = batch["sampler_log_probs"][rows, :width].to(log_probs.device) if "sampler_log_probs" in batch else None
                 if sampler is not None and epoch == 0 and totals["optimizer_steps"] + totals["skipped_steps"] == 0:
                     mismatch = _add_mismatch(mismatch, log_probs.detach(), sampler, mask, cap)
-                old = importance = sampled = None
-                if behaviour:  # the sampler's log-probs, made finite off the response
-                    sampled = torch.where(mask.bool(), sampler, log_probs.detach())
-                if args.loss_type == "grpo_clip":
-                    if args.old_policy == "reference":
-                        old = ref  # the seed: ratio against the frozen start checkpoint
-                    elif sampled is not None:
-                        old = sampled  # the ratio against the policy that sampled (it clips off-policy tokens itself)
-                    elif "old_log_probs" in batch:
-                        old = batch["old_log_probs"][rows, :width].to(main_device)
-                    else:
-                        old = log_probs.detach()  # one step on fresh rollouts: the sampler's policy is this one
-                elif sampled is not None:
-                    # truncated importance sampling: weight min(pi / pi_sampler, cap) per token (no gradient)
-                    importance = torch.exp(log_probs.detach() - sampled).clamp(max=args.tis_cap)
+                sampled = torch.where(mask.bool(), sampler, log_probs.detach()) if behaviour else None  # finite off the response
+                stored_old = batch["old_log_probs"][rows, :width].to(main_device) if "old_log_probs" in batch else None
+                old = old_policy_log_probs(settings, log_probs, ref, sampled, stored_old)
+                # truncated importance sampling for the other losses: weight min(pi / pi_sampler, cap) per token (no gradient)
+                importance = torch.exp(log_probs.detach() - sampled).clamp(max=settings.tis_cap) if sampled is not None and old is None else None
                 loss, meta = grpo_microbatch_train_step(
-                    log_probs, mask, share, args.loss_type,
+                    log_probs, mask, len(step_rows) / len(rows), settings.loss_type,
                     raw_rewards=batch["raw_rewards"][rows, None].to(main_device),
                     advantages=batch["advantages"][rows, None].to(main_device),
-                    old_log_probs=old, cliprange=args.cliprange, cliprange_high=args.cliprange_high,
-                    length_normalization=args.length_normalization, normalize_constant=args.length_normalization_constant,
-                    kl_coef=args.kl_coef, ref_log_probs=ref, importance_weights=importance,
+                    old_log_probs=old, cliprange=settings.cliprange, cliprange_high=settings.cliprange_high,
+                    length_normalization=settings.length_normalization, normalize_constant=settings.length_normalization_constant,
+                    kl_coef=settings.kl_coef, ref_log_probs=ref, importance_weights=importance,
                 )
                 finite &= torch.isfinite(loss)
                 token_count = mask.sum().clamp(min=1)
@@ -137,7 +239,7 @@ def update_policy(model, optimizer, scheduler, batch, args, main_device, compute
                 totals["tokens"] += sum(lengths[row] for row in rows)
                 totals["flops"] += update_flops(model.config, [lengths[row] for row in rows], cpu_mask.sum(-1).tolist())
                 totals["microbatches"] += 1
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
                 grad_norm = grad_norm.full_tensor()
             # every rank must agree, or the shards would step apart

@@ -86,8 +86,11 @@ class HfEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-        self.device = model.get_input_embeddings().weight.device
         self.compute_dtype = compute_dtype
+
+    @property
+    def device(self):
+        return self.model.get_input_embeddings().weight.device  # where the model is now (train_rl places the policy after wrapping it)
 
     @torch.no_grad()
     def generate(self, prompts: list[str], sampling: SamplingSettings) -> list[Generation]:

@@ -37,7 +37,12 @@ class SamplerProcessError(RuntimeError):
 
 
 def _serve(make_engine, requests, replies, trainer_pid: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (it saves, then closes us)
+    # Signals are the trainer's to handle: it finishes the step, saves, then closes us. A
+    # process group of our own keeps Ctrl-C and `kill -TERM -<pgid>` (what Slurm and shells
+    # send) from this process and vLLM's engine core, which it starts; both are ignored here too.
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = make_engine()
     except BaseException:

@@ -22,7 +22,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from alignment.args import check_checkpoint, parse_sft_args
-from alignment.checkpoint import OutputLock, check_output_path, check_writable, save_model_atomically
+from alignment.checkpoint import OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, save_model_atomically
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -127,7 +127,7 @@ def train(args, stop: StopOnSignal | None = None) -> dict:
                                  f"{args.checkpoint_path}; rerun the same command to train again", stop.exit_code)
     progress.close()
     metrics = evaluate_sft(model, tokenizer, args, writer, step)
-    save_model_atomically(model, tokenizer, args.checkpoint_path)
+    save_model_atomically(model, tokenizer, args.checkpoint_path, "sft_checkpoint")
     print(f"saved SFT checkpoint to {args.checkpoint_path}")
     writer.close()
     metrics.pop("samples", None)
@@ -137,10 +137,13 @@ def train(args, stop: StopOnSignal | None = None) -> dict:
 def main(argv=None) -> dict:
     args = parse_sft_args(argv)
     check_checkpoint(args.model, "--model", "pass a local checkpoint folder or a hub id such as Qwen/Qwen2.5-Math-1.5B")
-    check_output_path(args.checkpoint_path, "--checkpoint_path")  # ours, empty or new; writable
     run_dir = f"{args.log_dir}/{args.run_name}"
+    check_distinct_outputs([(args.checkpoint_path, "--checkpoint_path"), (run_dir, "--log_dir/--run_name")])
+    check_saved_model(args.model, "SFT cannot start from it; restore it or pass another --model")
+    check_output_path(args.checkpoint_path, "--checkpoint_path", "sft_checkpoint")  # ours (an SFT checkpoint), empty or new; writable
     check_writable(run_dir, "--log_dir")
     with OutputLock([(args.checkpoint_path, "--checkpoint_path"), (run_dir, "--log_dir/--run_name")]), StopOnSignal() as stop:
+        claim_log_folder(run_dir, "--log_dir/--run_name")
         return train(args, stop)
 
 

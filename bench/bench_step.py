@@ -83,11 +83,12 @@ def main():
     checkpoint = build_checkpoint(REPO_ROOT / "runs" / "bench" / ("model_tiny" if args.tiny else "model"), args.tiny)
     data = prepare_data(work / "data")
     name = f"step_{args.backend}_{args.gpus}gpu" + ("_fsdp" if args.fsdp else "") + ("_tiny" if args.tiny else "") + (f"_{args.tag}" if args.tag else "")
-    shutil.rmtree(work / name, ignore_errors=True)
+    for stale in (work / name, work / "checkpoints" / name, work / "checkpoints" / f"{name}.state"):  # a rerun starts over
+        shutil.rmtree(stale, ignore_errors=True)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.gpus)] if args.fsdp else [sys.executable]
     command = [
         *launcher, "-m", "alignment.train_rl", "--sft_checkpoint_path", str(checkpoint),
-        "--checkpoint_path", str(work / name / "rl"), "--data_dir", str(data), "--log_dir", str(work), "--run_name", name,
+        "--checkpoint_path", str(work / "checkpoints" / name), "--data_dir", str(data), "--log_dir", str(work), "--run_name", name,
         "--layout", "auto", "--rollout_backend", args.backend, "--max_steps", str(args.steps),
         *(TINY_FLAGS if args.tiny else W1_FLAGS), *(["--policy_parallel", "fsdp"] if args.fsdp else []), *args.extra.split(),
     ]

@@ -15,7 +15,6 @@ reference model or the old policy.
 import argparse
 import copy
 from pathlib import Path
-from types import SimpleNamespace
 
 from common import REPO_ROOT, build_checkpoint, matmul_ceiling_tflops, synthetic_grpo_batch, timed, write_result
 
@@ -23,18 +22,15 @@ import torch  # noqa: E402
 
 from alignment.flops import update_flops  # noqa: E402
 from alignment.fused_logprobs import use_compiled_chunk_math  # noqa: E402
-from alignment.policy_update import microbatches, score_with, update_policy  # noqa: E402
+from alignment.policy_update import UpdateSettings, microbatches, score_with, update_policy  # noqa: E402
 from alignment.optim import build_optimizer, build_scheduler  # noqa: E402
 from alignment.rollout import load_hf_model, load_tokenizer  # noqa: E402
 
 
-def update_args(microbatch: int, chunk_size: int, batch_size: int) -> SimpleNamespace:
-    return SimpleNamespace(
-        seed=0, epochs_per_rollout_batch=1, train_batch_size=batch_size, train_mini_batch_size=microbatch,
-        gradient_accumulation_steps=batch_size // microbatch, loss_type="grpo_clip", old_policy="rollout",
-        cliprange=0.2, cliprange_high=0.2, length_normalization="mean", length_normalization_constant=1.0,
-        kl_coef=0.0, logprob_chunk_size=chunk_size, max_grad_norm=1.0, scoring_temperature=1.0,
-    )
+def update_args(microbatch: int, chunk_size: int, batch_size: int, packed: bool = False, budget: int = 0) -> UpdateSettings:
+    """train_rl's defaults (grpo_clip, one optimizer step per batch) with this variant's microbatches."""
+    return UpdateSettings(train_batch_size=batch_size, train_mini_batch_size=microbatch, logprob_chunk_size=chunk_size, pack_sequences=packed,
+                          microbatch_tokens=budget)
 
 
 def cut(lengths: list[int], microbatch: int, sort: bool, budget: int, packed: bool) -> tuple[int, int]:
@@ -126,8 +122,7 @@ def main():
         use_compiled_chunk_math(compiled)
         optimizer = build_optimizer(model, 1e-6, 0.0)
         scheduler = build_scheduler(optimizer, 0, 100)
-        step_args = update_args(microbatch, chunk, args.batch_size)
-        step_args.pack_sequences, step_args.microbatch_tokens = packed, budget
+        step_args = update_args(microbatch, chunk, args.batch_size, packed, budget)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)

@@ -42,6 +42,14 @@ def tiny_model_and_tokenizer(tiny_checkpoint):
     return model, AutoTokenizer.from_pretrained(tiny_checkpoint)
 
 
+def update_settings(**changes):
+    """`policy_update.UpdateSettings` for the update tests: one optimizer step of 16 rows in
+    microbatches of 8, grpo_clip, the naive log-prob path; `changes` override any field."""
+    from alignment.policy_update import UpdateSettings
+
+    return UpdateSettings(train_batch_size=16, train_mini_batch_size=8, logprob_chunk_size=0).with_changes(**changes)
+
+
 def make_tiny_task(root: Path, num_train: int, num_test: int, seed: int) -> SimpleNamespace:
     """The synthetic task in GSM8K format plus a tiny Qwen2 whose tokenizer was trained on it.
 
@@ -55,15 +63,41 @@ def make_tiny_task(root: Path, num_train: int, num_test: int, seed: int) -> Simp
     return SimpleNamespace(root=root, data=data, sft=sft)
 
 
-def kill_train_rl_after_saved_state(flags: list[str], step: int, timeout: float = 300.0) -> None:
-    """Run `python -m alignment.train_rl <flags>` and SIGKILL it as soon as it reports the
-    training state of `step` saved (a crash with no chance to clean up)."""
+def parity_reward(responses, ground_truths, **_):
+    """A stand-in reward a random tiny model earns: 1 for a response of an even number of
+    characters. Deterministic for the same rollouts, and it varies within a group, so every
+    update moves the weights (the r1_zero reward is 0 for every rollout of a random model)."""
+    return [{"reward": float(len(r) % 2 == 0), "format_reward": 1.0, "answer_reward": float(len(r) % 2 == 0)} for r in responses]
+
+
+def train_rl_command(flags: list[str], reward: str | None = None) -> list[str]:
+    """`python -m alignment.train_rl <flags>` in a fresh process; `reward` names a function of this
+    module that replaces the grader there (e.g. "parity_reward")."""
+    import sys
+
+    script = "import sys\nfrom alignment import train_rl\nfrom alignment.errors import run_cli\n"
+    if reward:
+        script += f"sys.path.insert(0, {str(Path(__file__).parent)!r})\nimport conftest\ntrain_rl.grade_responses = conftest.{reward}\n"
+    return [sys.executable, "-c", script + "run_cli(train_rl.main, sys.argv[1:])\n", *flags]
+
+
+def run_train_rl(flags: list[str], reward: str | None = None, timeout: float = 300.0) -> None:
+    """A whole train_rl run in a fresh process (no state of this test process leaks into it)."""
+    import subprocess
+
+    result = subprocess.run(train_rl_command(flags, reward), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def kill_train_rl_after_saved_state(flags: list[str], step: int, timeout: float = 300.0, reward: str | None = None) -> None:
+    """Run train_rl (as `train_rl_command`) and SIGKILL it as soon as it reports the training
+    state of `step` saved (a crash with no chance to clean up)."""
     import signal
     import subprocess
-    import sys
     import time
 
-    process = subprocess.Popen([sys.executable, "-m", "alignment.train_rl", *flags], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    process = subprocess.Popen(train_rl_command(flags, reward), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     deadline = time.time() + timeout
     for line in process.stdout:

@@ -9,15 +9,14 @@ updated weights (rank 0), which tests/test_distributed.py compares across launch
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from alignment import distributed
-from alignment.distributed import per_rank_args, rank_slice, reduce_totals
+from alignment.distributed import rank_slice, reduce_totals
 from alignment.grpo import normalize_group_rewards
 from alignment.optim import build_scheduler
-from alignment.policy_update import sequence_lengths, update_policy
+from alignment.policy_update import UpdateSettings, sequence_lengths, update_policy
 from alignment.rollout import load_hf_model, load_tokenizer
 from alignment.sft_helpers import tokenize_rollout_ids
 
@@ -39,12 +38,8 @@ rows = rank_slice(list(range(16)), ranks)
 batch = {**tokenize_rollout_ids([prompts[i] for i in rows], [responses[i] for i in rows], tokenizer),
          "raw_rewards": raw[rows], "advantages": advantages[rows]}
 batch["lengths"] = sequence_lengths(batch["response_mask"])
-args = SimpleNamespace(
-    seed=0, epochs_per_rollout_batch=1, train_batch_size=16, train_mini_batch_size=4, gradient_accumulation_steps=4,
-    loss_type="reinforce_with_baseline", old_policy="rollout", cliprange=0.2, cliprange_high=0.2,
-    length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=0, max_grad_norm=1.0, scoring_temperature=1.0,
-)
-args = per_rank_args(args, ranks)
+# this rank's share of the step's 16 sequences (each rank averages its own; FSDP averages the ranks)
+args = UpdateSettings(train_batch_size=16 // ranks.world_size, train_mini_batch_size=4, loss_type="reinforce_with_baseline", logprob_chunk_size=0)
 # SGD, so equal weights mean equal gradients: Adam's first step is lr * sign(g), which
 # turns float-order noise in a near-zero gradient (advantages cancel within a group)
 # into a full +-lr difference

@@ -120,8 +120,8 @@ def test_speed_flags_default_to_the_fast_path_on_a_gpu(toy_data, flags, device, 
     args = parse_rl_args(["--data_dir", str(toy_data), *flags])
     for name in ("torch_compile", "pack_sequences"):  # left at auto until the device is known
         assert (getattr(args, name) is None) == (f"-{name}" not in " ".join(flags)), name
-    line = resolve_speed_flags(args, device, 1, SimpleNamespace(layer_types=["full_attention"]))
-    assert (args.torch_compile, args.pack_sequences) == expected
+    speed, line = resolve_speed_flags(args, device, 1, SimpleNamespace(layer_types=["full_attention"]))
+    assert (speed["torch_compile"], speed["pack_sequences"]) == expected
     assert line.startswith(f"torch.compile {'on' if expected[0] else 'off'}, packed microbatches {'on' if expected[1] else 'off'}")
 
 
@@ -131,5 +131,6 @@ def test_packing_stays_off_by_default_for_sliding_window_layers(toy_data):
     from alignment.args import resolve_speed_flags
 
     args = parse_rl_args(["--data_dir", str(toy_data), "--microbatch_tokens", "4096"])
-    resolve_speed_flags(args, "cuda:0", 1, SimpleNamespace(layer_types=["full_attention", "sliding_attention"]))
-    assert args.pack_sequences is False and args.torch_compile is True
+    speed, _ = resolve_speed_flags(args, "cuda:0", 1, SimpleNamespace(layer_types=["full_attention", "sliding_attention"]))
+    assert speed == {"torch_compile": True, "pack_sequences": False}
+    assert args.pack_sequences is None and args.torch_compile is None  # the flags stay as parsed

@@ -57,6 +57,7 @@ def test_auto_layout(num_gpus, sample, reference, evaluation, policy):
     args = seed_args(layout="auto")
     roles = resolve_role_devices(args, num_layers=len(policy) * 2, num_gpus=num_gpus)
     assert (roles["sample"], roles["reference"], roles["eval"], roles["policy_main"]) == (sample, reference, evaluation, policy[0])
+    assert (args.sample_device, args.eval_device, args.policy_devices) == ("cuda:7", "cuda:5", None)  # the flags stay as given
     assert sorted(set(roles["policy_layers"])) == sorted(policy)
 
 

@@ -150,8 +150,9 @@ def test_evaluation_under_torchrun_gives_a_frozen_sampler_its_start_weights_back
     from safetensors.torch import load_file
 
     from alignment.data import Gsm8kDataset
-    from alignment.distributed import NullWriter, SingleProcess
+    from alignment.distributed import SingleProcess
     from alignment.rollout import HfEngine, load_hf_model, load_tokenizer
+    from alignment.sampler import Sampler
     from alignment.train_rl import evaluate_policy
 
     class TwoRanks(SingleProcess):  # rank 0 of 2: the torchrun branch, without a process group
@@ -165,9 +166,10 @@ def test_evaluation_under_torchrun_gives_a_frozen_sampler_its_start_weights_back
             parameter.add_(0.05)  # the trained policy differs from the start
     engine = HfEngine(copy.deepcopy(policy), tokenizer)
     args = SimpleNamespace(rollout_backend="hf", eval_engine="sampler", rollout_sync_every=0, eval_temperature=0.0, eval_top_p=1.0,
-                           eval_min_tokens=0, eval_max_tokens=8, repetition_penalty=1.0, num_logged_rollouts=0,
-                           log_dir=str(tmp_path), run_name="frozen")
-    metrics, synced = evaluate_policy(args, engine, policy, tokenizer, Gsm8kDataset("test", task.data), NullWriter(), 1, TwoRanks(), sampler_start=task.sft)
+                           eval_min_tokens=0, eval_max_tokens=8, repetition_penalty=1.0, log_dir=str(tmp_path), run_name="frozen")
+    roles = {"sample": "cpu", "eval": "cpu"}
+    sampler = Sampler(engine, start_weights=task.sft, sync_every=0, version=0)
+    metrics, synced = evaluate_policy(args, sampler, policy, tokenizer, Gsm8kDataset("test", task.data), roles, TwoRanks(), step=1)
     assert metrics["num_examples"] == 2 and not synced  # rank 0's share of 4
     start = load_file(str(task.sft / "model.safetensors"))
     sampler = dict(engine.model.named_parameters())

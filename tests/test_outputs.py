@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from alignment import checkpoint, train_rl, train_sft
+from alignment import checkpoint, evaluate, train_rl, train_sft
 from alignment.checkpoint import MANIFEST_NAME, OutputLock, has_training_state, read_manifest, verify_manifest, write_atomically
 from alignment.errors import UserError
 from conftest import make_tiny_task
@@ -81,7 +81,7 @@ def test_a_users_folder_at_an_output_path_is_refused_untouched(pipeline):
     with pytest.raises(UserError, match=r"--checkpoint_path .*notes holds files this tool did not write"):
         train_sft.main(["--model", str(pipeline.sft), "--checkpoint_path", str(notes), "--data_dir", str(pipeline.data), "--log_dir", str(pipeline.root / "runs")])
     with pytest.raises(UserError, match="holds files this tool did not write"):
-        write_atomically(notes, lambda folder: (folder / "x").write_text("x"), kind="checkpoint")
+        write_atomically(notes, lambda folder: (folder / "x").write_text("x"), kind="rl_checkpoint")
     assert snapshot(notes) == {"ideas.txt": b"my notes"}
     assert snapshot(models) == snapshot(pipeline.sft)
     assert not (pipeline.root / "runs" / "notes_run" / "steps.jsonl").exists()  # refused before training
@@ -123,6 +123,7 @@ def test_resume_refuses_run_defining_changes_and_applies_safe_ones(pipeline, mon
     out = capsys.readouterr().out
     assert "resume: --learning_rate 0.002 (the run had 0.001) takes effect" in out
     assert "resume: --torch_compile" not in out and "resume: --pack_sequences" not in out  # left at auto both times: no change to report
+    assert "resume: --" not in out.replace("resume: --learning_rate", "")  # devices resolved by --layout auto are not reported as changed
     steps = [json.loads(line) for line in open(pipeline.root / "runs" / "changed" / "steps.jsonl")]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert steps[0]["train/lr"] == pytest.approx(1e-3) and steps[2]["train/lr"] == pytest.approx(2e-3)
@@ -177,7 +178,7 @@ def test_concurrent_atomic_writes_never_raise_and_leave_one_whole_folder(tmp_pat
                 (folder / f"part{part}.txt").write_text(f"{index}\n" * 1000)
         try:
             for _ in range(5):
-                write_atomically(target, write, kind="checkpoint")
+                write_atomically(target, write, kind="rl_checkpoint")
         except Exception as error:  # noqa: BLE001 - any failure is what this test looks for
             errors.append(error)
 
@@ -268,8 +269,8 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(p
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "_fsync_tree", no_space)
-    with pytest.raises(UserError, match=r"could not write .*full_disk/rl \(No space left on device\); the previous .* is intact; free some space"):
-        checkpoint.save_model_atomically(*_model_and_tokenizer(pipeline), checkpoint_dir)
+    with pytest.raises(UserError, match=r"could not write .*full_disk/rl \(No space left on device; [\d.]+ [KMG]iB free there\); the previous .* is intact; free some space"):
+        checkpoint.save_model_atomically(*_model_and_tokenizer(pipeline), checkpoint_dir, "rl_checkpoint")
     monkeypatch.setattr(checkpoint, "_fsync_tree", real_fsync)
     assert snapshot(checkpoint_dir) == before
     assert [p.name for p in checkpoint_dir.parent.iterdir() if ".tmp-" in p.name] == []
@@ -339,3 +340,192 @@ def test_a_training_state_cannot_run_code(pipeline, monkeypatch, tmp_path):
     with pytest.raises(UserError, match=r"hostile/rl.state: UnpicklingError"):
         train_rl.main(flags(pipeline, "hostile", "--save_state_every", "1", "--resume"))
     assert not marker.exists()
+
+
+# -------------------------------------------- round 3: ownership that cannot be forged by accident
+
+
+def _sft_checkpoint_of_ours(pipeline, path):
+    """The tiny SFT model saved as train_sft saves it (a manifest of kind sft_checkpoint)."""
+    return checkpoint.save_model_atomically(*_model_and_tokenizer(pipeline), path, "sft_checkpoint")
+
+
+@pytest.mark.parametrize("save_every", ["0", "1"])
+def test_a_forged_or_foreign_manifest_never_lets_a_folder_be_deleted(pipeline, save_every):
+    forged = pipeline.root / f"forged_{save_every}"
+    forged.mkdir()
+    (forged / MANIFEST_NAME).write_text('{"written_by":"alignment"}')
+    (forged / "thesis.txt").write_text("four years")
+    with pytest.raises(UserError, match=r"--state_dir .*forged_\d holds a folder of no known kind this tool wrote, not a training_state"):
+        train_rl.main(flags(pipeline, f"forged_run_{save_every}", "--state_dir", str(forged), "--save_state_every", save_every))
+    sft = _sft_checkpoint_of_ours(pipeline, pipeline.root / f"sft_as_state_{save_every}")
+    (sft / "README.md").write_text("my notes on this checkpoint")
+    with pytest.raises(UserError, match=r"--state_dir .*sft_as_state_\d holds a sft_checkpoint this tool wrote, not a training_state"):
+        train_rl.main(flags(pipeline, f"sft_as_state_run_{save_every}", "--state_dir", str(sft), "--save_state_every", save_every))
+    assert (forged / "thesis.txt").read_text() == "four years" and (sft / "README.md").is_file() and (sft / "model.safetensors").is_file()
+
+
+def test_a_file_added_to_a_folder_the_tool_wrote_is_never_deleted(pipeline, monkeypatch):
+    state = interrupted_run(pipeline, "added", monkeypatch)
+    (state / "notes.txt").write_text("what I changed")
+    with pytest.raises(UserError, match=r"--state_dir .*added/rl.state holds files its manifest does not list \(notes.txt\)"):
+        train_rl.main(flags(pipeline, "added", "--save_state_every", "1", "--resume"))
+    assert (state / "notes.txt").read_text() == "what I changed" and has_training_state(state)
+    with pytest.raises(UserError, match=r"holds files its manifest does not list \(notes.txt\)"):
+        write_atomically(state, lambda folder: (folder / "x").write_text("x"), kind="training_state")
+    assert checkpoint.remove_output(state, "training_state") is False and (state / "notes.txt").is_file()
+
+
+def test_a_training_state_is_removed_only_by_the_run_that_wrote_it(tmp_path):
+    state = tmp_path / "rl.state"
+    write_atomically(state, lambda folder: (folder / "counters.json").write_text("{}"), kind="training_state", record={"run": {"run_id": "theirs"}})
+    assert checkpoint.remove_output(state, "training_state", run_id="mine") is False and state.is_dir()
+    assert checkpoint.remove_output(state, "rl_checkpoint") is False and state.is_dir()
+    assert checkpoint.remove_output(state, "training_state", run_id="theirs") is True and not state.exists()
+
+
+def test_a_finished_run_removes_its_own_state_and_the_state_records_its_id(pipeline, monkeypatch):
+    state = interrupted_run(pipeline, "own_state", monkeypatch)
+    run_id = read_manifest(state)["run"]["run_id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", run_id)
+    train_rl.main(flags(pipeline, "own_state", "--save_state_every", "1", "--resume"))  # resumed: still that run's state
+    assert not state.exists() and (pipeline.root / "own_state" / "rl" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------- round 3: one folder, one role
+
+
+def test_two_roles_on_one_folder_are_refused_before_anything_loads(pipeline):
+    shared = pipeline.root / "shared"
+    link = pipeline.root / "link_to_rl"
+    link.symlink_to(pipeline.root / "linked" / "rl", target_is_directory=True)
+    started = time.perf_counter()
+    cases = [
+        (flags(pipeline, "same", "--state_dir", str(shared), checkpoint_path=shared), r"--state_dir .*shared is the same folder as --checkpoint_path"),
+        (flags(pipeline, "rl", "--log_dir", str(pipeline.root / "logs"), checkpoint_path=pipeline.root / "logs" / "rl"),
+         r"--log_dir/--run_name .*logs/rl is the same folder as --checkpoint_path"),
+        (flags(pipeline, "nested", "--state_dir", str(pipeline.root / "nested" / "rl" / "state")), r"--state_dir .*nested/rl/state is inside --checkpoint_path"),
+        (flags(pipeline, "linked", "--state_dir", str(link)), r"--state_dir .*link_to_rl is the same folder as --checkpoint_path"),
+        (flags(pipeline, "tmp", "--eval_engine", "fresh", "--tmp_checkpoint_path", str(pipeline.root / "tmp" / "rl")),
+         r"--tmp_checkpoint_path .*tmp/rl is the same folder as --checkpoint_path"),
+        (flags(pipeline, "root", checkpoint_path="/"), r"--checkpoint_path / is the root folder"),
+    ]
+    for command, message in cases:
+        with pytest.raises(UserError, match=message):
+            train_rl.main(command)
+    with pytest.raises(UserError, match=r"--log_dir/--run_name .*sft_logs/sft is the same folder as --checkpoint_path"):
+        train_sft.main(["--model", str(pipeline.sft), "--checkpoint_path", str(pipeline.root / "sft_logs" / "sft"), "--data_dir", str(pipeline.data),
+                        "--log_dir", str(pipeline.root / "sft_logs")])
+    assert time.perf_counter() - started < 20  # all at start-up
+    assert not shared.exists() and not (pipeline.root / "logs").exists() and not (pipeline.root / "linked").exists()
+
+
+def test_a_users_log_folder_is_refused_and_ours_is_reused(pipeline):
+    logs = pipeline.root / "runs" / "users_log"
+    logs.mkdir(parents=True)
+    (logs / "steps.jsonl").write_text('{"my": "experiment"}\n')
+    (logs / "final_eval_metrics.json").write_text("{}")
+    with pytest.raises(UserError, match=r"--log_dir/--run_name .*runs/users_log holds files this tool did not write; pass another --log_dir or --run_name"):
+        train_rl.main(flags(pipeline, "users_log"))
+    with pytest.raises(UserError, match=r"--output_dir .*users_log holds files this tool did not write"):
+        evaluate.main(["--model_path", str(pipeline.sft), "--backend", "hf", "--data_dir", str(pipeline.data), "--num_examples", "2",
+                       "--max_tokens", "4", "--output_dir", str(logs)])
+    assert snapshot(logs) == {"steps.jsonl": b'{"my": "experiment"}\n', "final_eval_metrics.json": b"{}"}
+    train_rl.main(flags(pipeline, "ours_log", "--max_steps", "1"))
+    (pipeline.root / "ours_log" / "rl").rename(pipeline.root / "ours_log" / "first")  # the same run name again: the folder is ours
+    train_rl.main(flags(pipeline, "ours_log", "--max_steps", "1"))
+    assert (pipeline.root / "runs" / "ours_log" / checkpoint.LOG_MARKER_NAME).is_file()
+
+
+# -------------------------------------------------------- round 3: no damaged weights used
+
+
+def _flip_bytes(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    for index in range(len(data) // 2, len(data) // 2 + 64):
+        data[index] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def test_damaged_weights_are_refused_by_evaluate_and_as_the_rl_start(pipeline):
+    rl = pipeline.root / "flipped_rl"
+    _sft_checkpoint_of_ours(pipeline, rl)  # any folder this tool wrote, with its checksums
+    _flip_bytes(rl / "model.safetensors")
+    evaluate_flags = ["--backend", "hf", "--data_dir", str(pipeline.data), "--num_examples", "2", "--max_tokens", "4"]
+    with pytest.raises(UserError, match=r"flipped_rl/model.safetensors is damaged: its SHA-256 differs .* cannot be evaluated"):
+        evaluate.main(["--model_path", str(rl), *evaluate_flags, "--output_dir", str(pipeline.root / "eval_flipped")])
+    sft = _sft_checkpoint_of_ours(pipeline, pipeline.root / "flipped_sft")
+    _flip_bytes(sft / "model.safetensors")
+    with pytest.raises(UserError, match=r"flipped_sft/model.safetensors is damaged: its SHA-256 differs from when it was written; RL cannot start from it"):
+        train_rl.main([*flags(pipeline, "flipped_start"), "--sft_checkpoint_path", str(sft)])
+    with pytest.raises(UserError, match=r"flipped_sft/model.safetensors is damaged: its SHA-256 differs from when it was written; SFT cannot start from it"):
+        train_sft.main(["--model", str(sft), "--checkpoint_path", str(pipeline.root / "sft_from_flipped"), "--data_dir", str(pipeline.data),
+                        "--log_dir", str(pipeline.root / "runs"), "--run_name", "sft_from_flipped"])
+    foreign = pipeline.root / "truncated_foreign"  # no manifest (as from the Hub): its safetensors header still tells its length
+    foreign.mkdir()
+    for file in pipeline.sft.iterdir():
+        (foreign / file.name).write_bytes(file.read_bytes())
+    data = (foreign / "model.safetensors").read_bytes()
+    (foreign / "model.safetensors").write_bytes(data[: len(data) - 4096])
+    with pytest.raises(UserError, match=rf"truncated_foreign/model.safetensors is damaged: {len(data) - 4096} bytes, its header describes {len(data)}"):
+        train_rl.main([*flags(pipeline, "truncated_start"), "--sft_checkpoint_path", str(foreign)])
+    with pytest.raises(UserError, match=r"truncated_foreign/model.safetensors is damaged"):
+        evaluate.main(["--model_path", str(foreign), *evaluate_flags, "--output_dir", str(pipeline.root / "eval_truncated")])
+
+
+# ------------------------------------------------------- round 3: one line, whatever fails
+
+
+def test_a_serialiser_failure_during_a_save_is_one_line_and_leaves_no_temp_folder(pipeline, monkeypatch):
+    import torch
+
+    state = interrupted_run(pipeline, "torch_full", monkeypatch)
+    before = snapshot(state)
+
+    def full_disk(*args, **kwargs):  # what torch.save raises when the disk fills mid-write
+        raise RuntimeError("[enforce fail at inline_container.cc:858] . PytorchStreamWriter failed writing file data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(UserError, match=r"could not write .*torch_full/rl.state \(\[enforce fail .* file write failed; [\d.]+ [KMG]iB free there\); the previous .* is intact"):
+        train_rl.main(flags(pipeline, "torch_full", "--save_state_every", "1", "--resume"))
+    assert snapshot(state) == before
+    assert [p.name for p in state.parent.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_damaged_configs_and_bad_betas_are_one_line(pipeline, tmp_path):
+    for name, text, message in (("not_json", "{oops", "is not readable JSON"), ("a_list", "[1, 2]", "is not a JSON object"),
+                                ("no_layers", '{"model_type": "qwen2"}', "has no positive num_hidden_layers")):
+        broken = tmp_path / name
+        broken.mkdir()
+        for file in pipeline.sft.iterdir():
+            (broken / file.name).write_bytes(file.read_bytes())
+        (broken / "config.json").write_text(text)
+        with pytest.raises(UserError, match=rf"--sft_checkpoint_path .*{name}: .*config.json {message}"):
+            train_rl.main([*flags(pipeline, name), "--sft_checkpoint_path", str(broken)])
+        with pytest.raises(UserError, match=rf"--model_path .*{name}: .*config.json {message}"):
+            evaluate.main(["--model_path", str(broken), "--backend", "hf", "--data_dir", str(pipeline.data)])
+    result = subprocess.run([sys.executable, "-m", "alignment.train_rl", *flags(pipeline, "betas"), "--adam_betas", "2", "-1"],
+                            cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "error: argument --adam_betas: must be in [0, 1), got 2" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_resume_refusal_names_the_flag_the_user_changed_not_a_derived_one(pipeline, monkeypatch):
+    interrupted_run(pipeline, "derived", monkeypatch)
+    with pytest.raises(UserError, match=r"--resume: --sampling_max_tokens is 24 but the run was started with 16; pass --sampling_max_tokens 16"):
+        train_rl.main(flags(pipeline, "derived", "--save_state_every", "1", "--resume", "--sampling_max_tokens", "24"))
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="process groups (POSIX)")
+def test_sigterm_to_the_process_group_one_step_off_saves_and_prints_the_resume_command(pipeline):
+    command = [sys.executable, "-m", "alignment.train_rl", *flags(pipeline, "group_term", "--rollout_staleness", "1", "--save_state_every", "5", "--max_steps", "6")]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    for line in process.stdout:
+        if line.startswith("step 1/6"):
+            os.killpg(process.pid, signal.SIGTERM)  # what Slurm and `kill -TERM -<pgid>` send: every process of the group
+            break
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "SamplerProcessError" not in err
+    stopped = re.search(r"stopped by SIGTERM after step (\d+): the training state of step \1 is in (\S+); continue with:\n  (.+--resume)", err)
+    assert stopped, err[-2000:]
+    assert read_manifest(stopped.group(2))["step"] == int(stopped.group(1))

@@ -10,8 +10,8 @@ from alignment.packing import layout
 from alignment.policy_update import microbatches, score_with, update_policy
 from alignment.rollout import load_hf_model, load_tokenizer
 from alignment.sft_helpers import get_response_log_probs
-from conftest import make_tiny_task
-from test_precision import grpo_batch, update_args
+from conftest import make_tiny_task, update_settings
+from test_precision import grpo_batch
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +71,7 @@ def one_update(task, batch, pack: bool, compiled: bool = False, token_budget: in
             layer.compile(dynamic=True)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step is minus the (clipped) gradient: compares gradients
-    args = update_args(chunk_size=5)
-    args.train_mini_batch_size, args.gradient_accumulation_steps, args.pack_sequences = 4, 4, pack  # 4 microbatches of different widths
-    args.microbatch_tokens = token_budget
+    args = update_settings(logprob_chunk_size=5, train_mini_batch_size=4, pack_sequences=pack, microbatch_tokens=token_budget)  # 4 microbatches of different widths
     totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu")
     delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
     return totals, delta

@@ -2,7 +2,6 @@
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from alignment.policy_update import sequence_lengths, update_policy
 from alignment.precision import autocast
 from alignment.rollout import load_hf_model, load_tokenizer
 from alignment.sft_helpers import get_response_log_probs, tokenize_rollout_ids
-from conftest import make_tiny_task
+from conftest import make_tiny_task, update_settings
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +35,7 @@ def grpo_batch(tokenizer):
 
 
 def update_args(chunk_size):
-    return SimpleNamespace(
-        seed=0, epochs_per_rollout_batch=1, train_batch_size=16, train_mini_batch_size=8, gradient_accumulation_steps=2,
-        loss_type="grpo_clip", old_policy="rollout", cliprange=0.2, cliprange_high=0.2, length_normalization="mean",
-        length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=chunk_size, max_grad_norm=1.0, scoring_temperature=1.0,
-    )
+    return update_settings(logprob_chunk_size=chunk_size)
 
 
 def one_step_delta(checkpoint, batch, weights_dtype, compute_dtype, chunk_size, lr=1e-6):

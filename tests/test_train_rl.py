@@ -4,7 +4,6 @@ resume-or-evaluate, weight sync, and one step's loss against a hand computation.
 import hashlib
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from alignment.flops import update_flops
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.policy_update import score_with, sequence_lengths, update_policy
 from alignment.sft_helpers import tokenize_rollouts
-from conftest import make_tiny_task
+from conftest import make_tiny_task, update_settings
 
 REQUIRED_TAGS = {
     "train/reward", "train/format_reward", "train/answer_reward", "train/loss", "train/grad_norm", "train/entropy",
@@ -114,11 +113,7 @@ def test_one_step_loss_equals_hand_computation(pipeline):
     per_sequence = (-(advantages[:, None]) * logp * mask).sum(-1) / mask.sum(-1)
     expected_loss = per_sequence.mean().item()
 
-    args = SimpleNamespace(
-        seed=0, epochs_per_rollout_batch=1, train_batch_size=4, train_mini_batch_size=2, gradient_accumulation_steps=2,
-        loss_type="reinforce_with_baseline", old_policy="rollout", cliprange=0.2, cliprange_high=0.2,
-        length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=3, max_grad_norm=1e9, scoring_temperature=1.0,
-    )
+    args = update_settings(train_batch_size=4, train_mini_batch_size=2, loss_type="reinforce_with_baseline", logprob_chunk_size=3, max_grad_norm=1e9)
     optimizer = build_optimizer(model, 1e-3, 0.0)
     totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu")
     assert totals["loss"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)
@@ -137,11 +132,7 @@ def test_non_finite_gradient_skips_the_step(pipeline):
              "raw_rewards": torch.tensor([1.0, 0.0]), "advantages": torch.tensor([float("nan"), 0.0])}
     batch["lengths"] = sequence_lengths(batch["response_mask"])
     batch["ref_log_probs"] = torch.zeros(batch["labels"].shape)
-    args = SimpleNamespace(
-        seed=0, epochs_per_rollout_batch=1, train_batch_size=2, train_mini_batch_size=2, gradient_accumulation_steps=1,
-        loss_type="reinforce_with_baseline", old_policy="rollout", cliprange=0.2, cliprange_high=0.2,
-        length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=0, max_grad_norm=1.0, scoring_temperature=1.0,
-    )
+    args = update_settings(train_batch_size=2, train_mini_batch_size=2, loss_type="reinforce_with_baseline")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = build_optimizer(model, 1e-3, 0.0)
     totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu")
@@ -158,11 +149,7 @@ def test_each_rollout_batch_gets_its_own_shuffle(pipeline):
     batch = {**tokenize_rollouts(prompts, [f" {i} </answer>" for i in range(8)], tokenizer),
              "raw_rewards": torch.zeros(8), "advantages": torch.linspace(-1, 1, 8)}
     batch["lengths"] = sequence_lengths(batch["response_mask"])
-    args = SimpleNamespace(
-        seed=0, epochs_per_rollout_batch=2, train_batch_size=2, train_mini_batch_size=2, gradient_accumulation_steps=1,
-        loss_type="reinforce_with_baseline", old_policy="rollout", cliprange=0.2, cliprange_high=0.2,
-        length_normalization="mean", length_normalization_constant=1.0, kl_coef=0.0, logprob_chunk_size=0, max_grad_norm=1e9, scoring_temperature=1.0,
-    )
+    args = update_settings(epochs_per_rollout_batch=2, train_batch_size=2, train_mini_batch_size=2, loss_type="reinforce_with_baseline", max_grad_norm=1e9)
     finals = []
     for step in (1, 1, 2):
         model = AutoModelForCausalLM.from_pretrained(pipeline.sft, dtype=torch.float32)

@@ -110,8 +110,8 @@ def main(argv=None) -> dict:
     out, checkpoints = Path(args.out), Path(args.checkpoints)
     out.mkdir(parents=True, exist_ok=True)
     # a rerun starts clean: no old weights (only folders this tool wrote are removed), no old curves
-    for stale in (checkpoints / "sft", checkpoints / "rl", checkpoints / "rl.state"):
-        remove_output(stale)
+    for stale, kind in ((checkpoints / "sft", "sft_checkpoint"), (checkpoints / "rl", "rl_checkpoint"), (checkpoints / "rl.state", "training_state")):
+        remove_output(stale, kind)
     for stale in (out / "sft", out / "rl"):
         shutil.rmtree(stale, ignore_errors=True)
     backend = ("vllm" if vllm_available() else "hf") if args.backend == "auto" else args.backend
