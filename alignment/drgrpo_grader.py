@@ -42,31 +42,47 @@ Safety, because the grader reads untrusted model text:
   (0.4 s per call). That only works in a process's main thread while no other
   ITIMER_REAL is armed; there the work runs in-process, and the first symbolic call
   pays a one-off ~0.5 s warm-up outside the limit. Otherwise (a thread, or a caller's
-  own timer armed, which we leave alone) it runs in a small persistent pool of spawn
-  worker processes, each bounded by its own alarm, and the caller waits at most 0.7 s
-  for the verdict: a later one, or a dead worker, counts as wrong. The first such call
-  in a process starts the workers (spawn + importing sympy: several seconds, once);
-  threads beyond the worker count wait their turn. The limit is wall-clock, so on a
-  CPU starved by other work a slow but correct comparison can time out and count as
-  wrong;
+  own timer armed, which we leave alone) it goes to a small pool of worker processes,
+  each bounded by its own alarm, and the caller waits at most 0.7 s
+  (SYMBOLIC_TIME_LIMIT_S + WORKER_OVERHEAD_S) counted from the start of its call,
+  queueing for a free worker included, however many threads call at once: a worker is
+  given only the time its caller has left, a task whose caller has stopped waiting is
+  skipped, and a verdict not back in time, or a dead worker, counts as wrong. So when
+  many threads send slow answers at once, an answer queued behind them can count as
+  wrong too. The first such call in a process starts the workers (importing sympy: a
+  second or more, once; that call's 0.7 s count from when they are ready). The limit is
+  wall-clock, so on a CPU starved by other work a slow but correct comparison can time
+  out and count as wrong;
+- workers never run the caller's code. They are plain subprocesses running our own
+  module (`python -m alignment.grader_worker`, JSON lines over pipes), not
+  multiprocessing's spawn, which re-runs the caller's `__main__` script in each worker
+  (an unguarded script printed its output once per worker; code fed on stdin made
+  workers fail and respawn forever). They ignore SIGINT (Ctrl-C is the caller's to
+  handle); one that dies or hangs is replaced in the background, its answer counted as
+  wrong; a forked child starts its own; all are stopped at exit;
 - an alarm only stops Python bytecode, not one huge C-level integer power, so answers
   that could build enormous numbers (`10^{10^{10}}`, `(10^{99})^{99}`, `100000!`,
-  `\\sum`) are graded by string match only, as are answers longer than
-  MAX_SYMBOLIC_CHARS.
+  `\\sum`) are graded by string match only, as are factorials and Gamma functions of
+  anything but a literal up to 999 or a letter (`\\Gamma(10^{6})`, `(10^6)!`,
+  `\\lfloor 1000000\\rfloor!` would each burn the whole time limit), and answers
+  longer than MAX_SYMBOLIC_CHARS.
 """
 
 import atexit
 import functools
+import json
 import logging
 import math
-import multiprocessing
 import numbers
 import os
+import queue
 import re
+import selectors
 import signal
+import subprocess
+import sys
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 from decimal import Decimal, InvalidOperation
 
 from math_verify import LatexExtractionConfig, parse, verify
@@ -85,8 +101,11 @@ STRICT_FLOAT_DECIMALS = 10  # verify(float_rounding=...) for fast=True
 LENIENT_FLOAT_DECIMALS = 6  # math-verify's default, for fast=False
 POOL_MIN_BATCH = 256  # smaller batches grade serially: a pool round trip costs more
 MAX_SYMBOLIC_WORKERS = 4  # worker processes for symbolic work of callers that cannot use the alarm
-WORKER_OVERHEAD_S = 0.3  # a worker's verdict may come this long after SYMBOLIC_TIME_LIMIT_S; later is wrong
-WORKER_START_TIMEOUT_S = 120  # for spawning the workers and importing sympy; slower is wrong, retried next call
+WORKER_OVERHEAD_S = 0.3  # such a caller waits at most SYMBOLIC_TIME_LIMIT_S + this from its call's start, queueing included
+WORKER_REPLY_MARGIN_S = 0.1  # a worker gets the caller's time left minus this, so that its verdict arrives in time
+WORKER_HANG_S = 5.0  # a worker silent this long after its time limit is stuck (a C call the alarm cannot stop): replaced
+WORKER_START_TIMEOUT_S = 120  # for starting the workers and importing sympy; slower is wrong, retried next call
+MAX_FACTORIAL_DIGITS = 3  # `n!` and `\Gamma(n)` only for literals up to 999: \Gamma(10^{6}) has 5.5 million digits
 
 CORRECT = {"format_reward": 1.0, "answer_reward": 1.0, "reward": 1.0}
 # Reward stays 0 for a wrong answer even when formatted: no format reward, to avoid reward hacking.
@@ -223,6 +242,12 @@ def _plain_number(text: str) -> Decimal | None:
 
 _INTEGER_LITERAL = re.compile(r"\d+")
 _UNSAFE_COMMANDS = ("\\sum", "\\prod", "\\int", "\\lim", "\\binom", "\\dbinom", "\\tbinom", "\\choose", "**")
+# latex2sympy turns `\Gamma(x)` and `\gamma(x)` into sympy.gamma(x), which evaluates (x-1)! at once.
+# Any spelling of gamma or factorial (`\operatorname{gamma}`, `\mathrm{Gamma}`, `Γ`) is held to the same rule.
+_GAMMA_NAME = re.compile(r"gamma|factorial|[Γγ]", re.IGNORECASE)
+# What may follow such a name: `(5)`, `{n}`, `(\frac{1}{2})`, `(-1/2)`, `(2.5)`; digit counts are checked after.
+_SMALL_GAMMA_CALL = re.compile(r"\}?[({\[]-?(?:\d+(?:\.\d+)?(?:/\d+)?|[A-Za-z]|\\frac\{\d+\}\{\d+\})[)}\]]")
+_SPACING = re.compile(r"\\left|\\right|\\[,;:! ]|\s+")
 
 
 def _exponent_span(text: str, start: int) -> tuple[str, int] | None:
@@ -254,34 +279,61 @@ def _max_nesting(text: str) -> int:
     return deepest
 
 
+def _factorial_arguments(text: str) -> list[int] | None:
+    """A bound on the argument of each factorial and Gamma in `text` (0 for a variable); None when one may be huge.
+
+    `5!`, `n!`, `\\Gamma(5)`, `\\Gamma(\\frac{1}{2})` are fine. Refused: a literal of more than
+    MAX_FACTORIAL_DIGITS digits (`1000!`, `\\Gamma(1000000)`), and any argument that is not a
+    literal or a letter (`(10^6)!`, `\\lfloor 1000000\\rfloor!`, `\\pi!`, `9^9!`, `\\Gamma(10^{6})`),
+    since only sympy would know how big it is.
+    """
+    arguments = []
+    for match in re.finditer(r"(?<!\\)!", text):
+        before = text[: match.start()].rstrip()
+        literal = re.search(r"\d*$", before).group()
+        word = re.search(r"\\?[A-Za-z]*$", before).group()  # `n` is a variable; `\rfloor` or `\pi` is not
+        if len(literal) > MAX_FACTORIAL_DIGITS or not (literal or word[:1].isalpha()):
+            return None
+        arguments.append(int(literal or 0))
+    compact = _SPACING.sub("", text)  # `\Gamma \left( 5 \right)` -> `\Gamma(5)`
+    for match in _GAMMA_NAME.finditer(compact):
+        call = _SMALL_GAMMA_CALL.match(compact, match.end())
+        literals = _INTEGER_LITERAL.findall(call.group()) if call else []
+        if call is None or any(len(literal) > MAX_FACTORIAL_DIGITS for literal in literals):
+            return None  # also a bare `\gamma` or `\Gamma^{2}(x)`: rare in answers, so refused rather than parsed
+        arguments.append(max(map(int, literals), default=0))
+    return arguments
+
+
 def _is_safe_for_symbolic(text: str) -> bool:
     """Whether sympy may see `text` without risking one huge, uninterruptible computation.
 
     `10^{10^{10}}` makes sympy build a ten-billion-digit integer inside one C call that
-    no alarm can stop. So: no power towers, no factorial beyond a 3-digit literal, no
-    sums/products/integrals/binomials, bounded nesting, and integer powers whose
-    digits (base digits x product of exponents) stay under MAX_POWER_DIGITS.
-    Powers of a plain variable (`x^{10}`) never build big numbers and are not counted.
+    no alarm can stop, and `\\Gamma(10^{6})` a 5.5-million-digit factorial that costs the
+    whole time limit. So: no power towers, no factorial or Gamma beyond a 3-digit literal
+    (`_factorial_arguments`), no sums/products/integrals/binomials, bounded nesting, and
+    integer powers whose digits (base digits x product of exponents) stay under
+    MAX_POWER_DIGITS. Powers of a plain variable (`x^{10}`) never build big numbers and are
+    not counted.
     """
     if len(text) > MAX_SYMBOLIC_CHARS or any(command in text for command in _UNSAFE_COMMANDS):
         return False
     if _max_nesting(text) > MAX_NESTING_DEPTH:
         return False
+    factorial_arguments = _factorial_arguments(text)
+    if factorial_arguments is None:
+        return False
     literal_digits = max(1, sum(len(literal) for literal in _INTEGER_LITERAL.findall(text)))
-    for match in re.finditer(r"(?<!\\)!", text):
-        before = text[: match.start()].rstrip()
-        literal = re.search(r"\d*$", before).group()
-        if len(literal) > 3 or (not literal and not before[-1:].isalpha()):
-            return False
-        literal_digits += 3 * int(literal or 0)  # n! has fewer than 3n digits for n < 1000
+    literal_digits += sum(3 * argument for argument in factorial_arguments)  # n! has fewer than 3n digits for n < 1000
     growth = 1
     for match in re.finditer(r"\^", text):
         span = _exponent_span(text, match.end())
         if span is None:
             return False
         exponent, end = span
-        if "^" in exponent or "!" in exponent or text[end:].lstrip(" ").startswith("^"):
-            return False  # a tower such as 9^{9^9} or 9^9^9
+        tower = "^" in exponent or "!" in exponent or _GAMMA_NAME.search(exponent)
+        if tower or text[end:].lstrip(" ").startswith(("^", "!")):
+            return False  # a tower such as 9^{9^9}, 9^9^9, 9^9! (= 9^{9!}) or 2^{\Gamma(99)}
         base_word = re.search(r"\\?[A-Za-z]*$", text[: match.start()].rstrip(" ")).group()
         if not base_word.isalpha():  # `x^{10}` is a variable's power; `9^`, `)^`, `!^`, `\rfloor^` may be huge
             for literal in _INTEGER_LITERAL.findall(exponent):
@@ -429,16 +481,17 @@ def _symbolic_match(answer: str, truths: list[str], fast: bool) -> bool:
     return False
 
 
-def _bounded_symbolic_match(answer: str, truths: list[str], fast: bool) -> bool:
+def _bounded_symbolic_match(answer: str, truths: list[str], fast: bool, seconds: float = SYMBOLIC_TIME_LIMIT_S) -> bool:
     """`_symbolic_match` under the alarm, in the main thread of this process or of a worker."""
     _warm_up()
     try:
-        return _call_with_time_limit(SYMBOLIC_TIME_LIMIT_S, _symbolic_match, answer, truths, fast)
+        return _call_with_time_limit(seconds, _symbolic_match, answer, truths, fast)
     except _GradingTimeout:
         return False  # a timeout counts as wrong
 
 
-def _is_correct(response: str, ground_truth, fast: bool) -> bool:
+def _verdict_without_sympy(response: str, ground_truth) -> bool | tuple[str, list[str]]:
+    """True/False when string or plain-number comparison decides; else (answer, the truths sympy must compare)."""
     answer = _model_answer(response)
     if answer is None:
         return False
@@ -449,11 +502,21 @@ def _is_correct(response: str, ground_truth, fast: bool) -> bool:
             return True
         if verdict is None:
             undecided.append(truth)
-    if not undecided:
-        return False
+    return (answer, undecided) if undecided else False
+
+
+def _is_correct(response: str, ground_truth, fast: bool, started: float) -> bool:
+    verdict = _verdict_without_sympy(response, ground_truth)
+    if isinstance(verdict, bool):
+        return verdict
+    answer, truths = verdict
     if _can_use_alarm():
-        return _bounded_symbolic_match(answer, undecided, fast)
-    return _symbolic_match_in_worker(answer, undecided, fast)
+        return _bounded_symbolic_match(answer, truths, fast)
+    return _symbolic_match_in_worker(answer, truths, fast, started)
+
+
+def _is_formatted(response) -> bool:
+    return isinstance(response, str) and FORMAT_MARKER in response and ANSWER_CLOSE in response
 
 
 def r1_zero_reward_fn(response: str, ground_truth, fast: bool = True) -> dict[str, float]:
@@ -461,14 +524,16 @@ def r1_zero_reward_fn(response: str, ground_truth, fast: bool = True) -> dict[st
 
     `ground_truth` is a str, int, float, or a list of them (correct if any matches).
     `fast=True` is what training uses; `fast=False` adds a lenient pass for evaluation.
-    Never raises and returns within about SYMBOLIC_TIME_LIMIT_S, from any thread (see the
-    module docstring). Off the main thread, or with another interval timer armed, the first
-    call that needs sympy also waits once for the grading workers to start (seconds).
+    Never raises and returns within about SYMBOLIC_TIME_LIMIT_S (at most that + WORKER_OVERHEAD_S
+    off the main thread, however many threads call at once; see the module docstring). Off the
+    main thread, or with another interval timer armed, the first call that needs sympy also
+    waits once for the grading workers to start (seconds).
     """
-    if not isinstance(response, str) or FORMAT_MARKER not in response or ANSWER_CLOSE not in response:
+    started = time.monotonic()
+    if not _is_formatted(response):
         return dict(UNFORMATTED)
     try:
-        correct = _is_correct(response, ground_truth, fast)
+        correct = _is_correct(response, ground_truth, fast, started)
     except (Exception, _GradingTimeout):  # a bug on odd input must cost one reward, not a training run
         logger.debug("grading failed; counted as wrong", exc_info=True)
         correct = False
@@ -477,95 +542,295 @@ def r1_zero_reward_fn(response: str, ground_truth, fast: bool = True) -> dict[st
 
 # ---------------------------------------------------------------- worker processes
 
-
-def _init_worker(ready=None) -> None:
-    # Ctrl-C reaches the whole process group: the parent handles it and stops the workers,
-    # which would otherwise each die with a KeyboardInterrupt traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _warm_up()
-    if ready is not None:
-        ready.release()
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_NO_REPLY = object()
 
 
-_symbolic_pool = None  # multiprocessing.Pool for `_symbolic_match_in_worker`
-_symbolic_slots = None  # one per worker, so that no task waits in the pool's queue while its deadline runs
-_symbolic_pool_lock = threading.Lock()
+class _Worker:
+    """One `python -m alignment.grader_worker` process, spoken to in JSON lines over its stdin and stdout.
 
-
-def _forget_symbolic_pool() -> None:
-    # A forked child gets the pool object but none of its threads, and maybe our lock held.
-    global _symbolic_pool, _symbolic_slots, _symbolic_pool_lock
-    _symbolic_pool, _symbolic_slots, _symbolic_pool_lock = None, None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_symbolic_pool)
-
-
-def _get_symbolic_pool():
-    """(pool, slots), started on first use; returns once every worker has imported sympy and warmed up.
-
-    A multiprocessing.Pool, not a ProcessPoolExecutor: it starts all workers at once (so
-    none starts later while a caller's short deadline runs) and replaces a worker that dies.
+    A plain subprocess, not multiprocessing: spawn re-runs the caller's `__main__` script in
+    every worker (a script without a `__main__` guard printed its output once per worker;
+    code fed on stdin made workers fail and respawn forever). This runs our module only.
+    Its cwd is the repo root, so `-m` finds this package before anything in the caller's folder.
     """
-    global _symbolic_pool, _symbolic_slots
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "alignment.grader_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=_PACKAGE_ROOT,
+        )
+        self.replies = self.process.stdout.fileno()  # read with os.read only, so no bytes hide in a buffer
+        self._unread = b""
+
+    def send(self, request) -> None:
+        self.process.stdin.write(json.dumps(request).encode("ascii") + b"\n")
+        self.process.stdin.flush()
+
+    def read_available(self) -> None:
+        """Read what the worker has written (call when its stdout is readable); EOFError if it died."""
+        chunk = os.read(self.replies, 1 << 16)
+        if not chunk:
+            raise EOFError("grading worker exited")
+        self._unread += chunk
+
+    def next_reply(self):
+        """The oldest complete reply read so far, or _NO_REPLY."""
+        if b"\n" not in self._unread:
+            return _NO_REPLY
+        line, _, self._unread = self._unread.partition(b"\n")
+        return json.loads(line)
+
+    def receive(self, timeout: float):
+        """The next reply; TimeoutError if none comes within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.replies, selectors.EVENT_READ)
+            while (reply := self.next_reply()) is _NO_REPLY:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not selector.select(remaining):
+                    raise TimeoutError("grading worker did not answer in time")
+                self.read_available()
+        return reply
+
+    def stop(self) -> None:
+        self.process.kill()  # it holds no state worth a graceful exit
+        for stream in (self.process.stdin, self.process.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+_WORKER_ERRORS = (OSError, EOFError, TimeoutError, ValueError)  # failed to start, died, stuck, or garbled
+
+
+def _start_workers(count: int) -> list[_Worker]:
+    """`count` workers, started at once; returns when each has imported sympy and warmed up (seconds)."""
+    workers = []
+    try:
+        for _ in range(count):
+            workers.append(_Worker())
+        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+        for worker in workers:
+            if worker.receive(max(0.0, deadline - time.monotonic())) != "ready":
+                raise ValueError("grading worker did not say it was ready")
+    except BaseException:
+        for worker in workers:
+            worker.stop()
+        raise
+    return workers
+
+
+class _SymbolicTask:
+    def __init__(self, answer: str, truths: list[str], fast: bool, deadline: float) -> None:
+        self.answer, self.truths, self.fast, self.deadline = answer, truths, fast, deadline
+        self.verdict = False
+        self.done = threading.Event()
+
+
+class _SymbolicPool:
+    """Workers for the symbolic checks of callers that cannot use the alarm.
+
+    Callers put tasks on one queue, each with the moment its caller stops waiting. One
+    feeder thread per worker takes the oldest task, gives the worker only the time left
+    (at most SYMBOLIC_TIME_LIMIT_S, less WORKER_REPLY_MARGIN_S for the way back), skips a
+    task whose caller has gone, and replaces a worker that dies or stays silent
+    WORKER_HANG_S past its limit (in the feeder's thread, so no caller waits for the restart).
+    """
+
+    def __init__(self, size: int) -> None:
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = False
+        self.workers = _start_workers(size)
+        self.ready_at = time.monotonic()
+        for index in range(size):
+            threading.Thread(target=self._feed, args=(index,), name=f"grader-feeder-{index}", daemon=True).start()
+
+    def match(self, answer: str, truths: list[str], fast: bool, deadline: float) -> bool:
+        task = _SymbolicTask(answer, truths, fast, deadline)
+        self.tasks.put(task)
+        return task.done.wait(max(0.0, deadline - time.monotonic())) and task.verdict
+
+    def _feed(self, index: int) -> None:
+        while not self.closed:
+            task = self.tasks.get()
+            if task is None:
+                return
+            seconds = min(SYMBOLIC_TIME_LIMIT_S, task.deadline - time.monotonic() - WORKER_REPLY_MARGIN_S)
+            if seconds <= 0:
+                continue  # its caller has stopped waiting, or will before a verdict could arrive
+            worker = self.workers[index]
+            try:
+                worker.send(["match", [[task.answer, task.truths, task.fast]], seconds])
+                task.verdict = worker.receive(seconds + WORKER_HANG_S) == [True]
+                healthy = True
+            except Exception:  # _WORKER_ERRORS, or anything unforeseen: a feeder must not die with its worker
+                healthy = False
+            task.done.set()  # before a restart, which takes seconds
+            if not healthy and not self.closed:
+                logger.warning("a grading worker died or hung; its answer counted as wrong; starting another")
+                self._replace(index)
+
+    def _replace(self, index: int) -> None:
+        self.workers[index].stop()
+        delay = 1.0
+        while not self.closed:
+            try:
+                self.workers[index] = _start_workers(1)[0]
+            except _WORKER_ERRORS as error:
+                logger.warning("could not start a grading worker (%s); retrying in %.0f s", error, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, 60.0)
+                continue
+            if self.closed:  # shut down while it started
+                self.workers[index].stop()
+            return
+
+    def close(self) -> None:
+        self.closed = True
+        for worker in self.workers:
+            self.tasks.put(None)
+            worker.stop()
+
+
+class _BatchPool:
+    """Workers for `grade_responses`; one batch at a time, chunks handed to whichever worker is free."""
+
+    def __init__(self, size: int) -> None:
+        self.workers = _start_workers(size)
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def match(self, chunks: list[list], results: list, deadline: float) -> None:
+        """`results[i]` = the verdicts on `chunks[i]`, lists of [answer, truths, fast]; raises (leaving
+        None) if a worker dies, hangs or garbles a reply, or the deadline passes."""
+        with self.lock, selectors.DefaultSelector() as selector:
+            try:
+                self._match(selector, chunks, results, deadline)
+            except BaseException:  # also Ctrl-C: a worker may still owe a reply, which the next batch would misread
+                self.close()
+                raise
+
+    def _match(self, selector, chunks: list[list], results: list, deadline: float) -> None:
+        for worker in self.workers:
+            selector.register(worker.replies, selectors.EVENT_READ, worker)
+        waiting, idle, busy = list(range(len(chunks)))[::-1], list(self.workers), {}
+        while waiting or busy:
+            while idle and waiting:
+                worker, index = idle.pop(), waiting.pop()
+                worker.send(["match", chunks[index], SYMBOLIC_TIME_LIMIT_S])
+                busy[worker] = index
+            remaining = deadline - time.monotonic()
+            events = selector.select(remaining) if remaining > 0 else []
+            if not events:
+                raise TimeoutError("grading workers took too long")
+            for key, _ in events:
+                worker = key.data
+                worker.read_available()
+                while (reply := worker.next_reply()) is not _NO_REPLY:
+                    index = busy.pop(worker)  # KeyError for a reply nobody asked for
+                    if not (isinstance(reply, list) and len(reply) == len(chunks[index])):
+                        raise ValueError("a grading worker sent a malformed reply")
+                    results[index] = [verdict is True for verdict in reply]
+                    idle.append(worker)
+
+    def close(self) -> None:
+        self.closed = True
+        for worker in self.workers:
+            worker.stop()
+
+
+_symbolic_pool: _SymbolicPool | None = None
+_batch_pool: _BatchPool | None = None
+_symbolic_pool_lock = threading.Lock()  # two locks: a batch pool starting (seconds) must not hold up threads' calls
+_batch_pool_lock = threading.Lock()
+_left_by_the_parent = []  # in a forked child: the parent's pools, kept so that garbage collection never touches them
+
+
+def _forget_pools_after_fork() -> None:
+    # A forked child gets the pool objects but none of their threads, maybe our lock held,
+    # and pipes to workers that are its parent's: it makes its own pools when it needs them.
+    global _symbolic_pool, _batch_pool, _symbolic_pool_lock, _batch_pool_lock
+    _left_by_the_parent.extend(pool for pool in (_symbolic_pool, _batch_pool) if pool is not None)
+    _symbolic_pool, _batch_pool = None, None
+    _symbolic_pool_lock, _batch_pool_lock = threading.Lock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools_after_fork)
+
+
+_exiting = False  # set at exit: a daemon thread still grading then gets no new workers (its answers count as wrong)
+
+
+def _close_pools() -> None:
+    global _symbolic_pool, _batch_pool, _exiting
+    _exiting = True
+    for pool in (_symbolic_pool, _batch_pool):
+        if pool is not None:
+            pool.close()
+    _symbolic_pool = _batch_pool = None
+
+
+atexit.register(_close_pools)
+
+
+def _get_symbolic_pool() -> _SymbolicPool:
+    """Started on first use; returns once every worker has imported sympy and warmed up."""
+    global _symbolic_pool
+    if _symbolic_pool is not None:  # the common case, without the lock
+        return _symbolic_pool
     with _symbolic_pool_lock:
+        if _exiting:
+            raise RuntimeError("the grading workers were stopped at exit")
         if _symbolic_pool is None:
-            workers = min(_available_cpus(), MAX_SYMBOLIC_WORKERS)
-            context = multiprocessing.get_context("spawn")  # not fork: see _get_pool
-            ready = context.Semaphore(0)
-            pool = context.Pool(workers, initializer=_init_worker, initargs=(ready,))
-            deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-            if not all(ready.acquire(timeout=max(0.0, deadline - time.monotonic())) for _ in range(workers)):
-                pool.terminate()
-                raise TimeoutError("grading workers did not start")
-            _symbolic_pool, _symbolic_slots = pool, threading.BoundedSemaphore(workers)
-        return _symbolic_pool, _symbolic_slots
+            _symbolic_pool = _SymbolicPool(min(_available_cpus(), MAX_SYMBOLIC_WORKERS))
+        return _symbolic_pool
 
 
-def _symbolic_match_in_worker(answer: str, truths: list[str], fast: bool) -> bool:
+def _symbolic_match_in_worker(answer: str, truths: list[str], fast: bool, started: float) -> bool:
     """`_bounded_symbolic_match` in a worker's main thread, where the alarm works; for callers where it does not.
 
-    A verdict later than SYMBOLIC_TIME_LIMIT_S + WORKER_OVERHEAD_S counts as wrong. The
-    worker is not killed: its own alarm frees it, and killing it would cost a restart.
+    The caller waits at most SYMBOLIC_TIME_LIMIT_S + WORKER_OVERHEAD_S from `started` (its
+    call's start), queueing for a free worker included; a later verdict counts as wrong. Only
+    a call that had to wait for the workers to start counts from the moment they were ready.
     """
-    pool, slots = _get_symbolic_pool()
-    with slots:
-        pending = pool.apply_async(_bounded_symbolic_match, (answer, truths, fast))
-        try:
-            return pending.get(timeout=SYMBOLIC_TIME_LIMIT_S + WORKER_OVERHEAD_S)
-        except multiprocessing.TimeoutError:  # also what a worker that died mid-task looks like
-            return False
+    pool = _get_symbolic_pool()
+    deadline = max(started, pool.ready_at) + SYMBOLIC_TIME_LIMIT_S + WORKER_OVERHEAD_S
+    return pool.match(answer, truths, fast, deadline)
 
 
 # ---------------------------------------------------------------- batches
 
 
-_pool: ProcessPoolExecutor | None = None
-_pool_key = None  # (worker count, pid that made the pool)
-
-
-def _shutdown_pool() -> None:
-    global _pool, _pool_key
-    if _pool is not None and _pool_key[1] == os.getpid():
-        _pool.shutdown(wait=False, cancel_futures=True)
-    _pool, _pool_key = None, None
-
-
-atexit.register(_shutdown_pool)
-
-
-def _get_pool(num_workers: int) -> ProcessPoolExecutor:
+def _get_batch_pool(num_workers: int) -> _BatchPool:
     """One pool kept for the life of the process: starting workers (importing sympy) takes seconds."""
-    global _pool, _pool_key
-    # A forked child inherits the parent's pool object, whose manager thread it lacks: make its own.
-    if _pool is None or _pool_key != (num_workers, os.getpid()):
-        _shutdown_pool()
-        # spawn, not fork: forking a process that holds torch/CUDA threads can deadlock.
-        _pool = ProcessPoolExecutor(
-            max_workers=num_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
-        )
-        _pool_key = (num_workers, os.getpid())
-    return _pool
+    global _batch_pool
+    with _batch_pool_lock:
+        if _exiting:
+            raise RuntimeError("the grading workers were stopped at exit")
+        if _batch_pool is None or _batch_pool.closed or len(_batch_pool.workers) != num_workers:
+            _stop_batch_pool_locked()
+            _batch_pool = _BatchPool(num_workers)
+        return _batch_pool
+
+
+def _stop_batch_pool_locked() -> None:
+    global _batch_pool
+    if _batch_pool is not None:
+        _batch_pool.close()
+    _batch_pool = None
+
+
+def _stop_batch_pool() -> None:
+    with _batch_pool_lock:
+        _stop_batch_pool_locked()
 
 
 def _grade_chunk(chunk: list[tuple]) -> list[dict[str, float]]:
@@ -582,11 +847,13 @@ def _available_cpus() -> int:
 def grade_responses(responses, ground_truths, fast: bool = True, num_workers: int | None = None) -> list[dict[str, float]]:
     """`r1_zero_reward_fn` over a batch, in order; worker processes for big batches.
 
-    Batches of at least POOL_MIN_BATCH on a machine with more than one CPU go to a
-    persistent spawn pool (default: one worker per available CPU, at most 8); smaller
-    ones are graded serially. A broken or stuck pool falls back to serial grading of
-    what is left. Never raises; if `ground_truths` is shorter than `responses` the
-    missing truths grade as wrong (and a warning is logged).
+    In batches of at least POOL_MIN_BATCH on a machine with more than one CPU, the string
+    and number checks run here (nearly every GSM8K answer ends there, in microseconds) and
+    the answers that need sympy go to a persistent pool of worker processes (default: one
+    per available CPU, at most 8), started by the first batch that has such an answer.
+    Smaller batches are graded serially. A broken or stuck pool falls back to serial
+    grading of what is left. Never raises; if `ground_truths` is shorter than `responses`
+    the missing truths grade as wrong (and a warning is logged).
     """
     try:
         responses, ground_truths = list(responses), list(ground_truths)
@@ -604,21 +871,39 @@ def grade_responses(responses, ground_truths, fast: bool = True, num_workers: in
     if len(items) < POOL_MIN_BATCH or num_workers <= 1:
         return _grade_chunk(items)
 
-    chunk_size = max(1, -(-len(items) // (num_workers * 4)))
-    chunks = [items[start : start + chunk_size] for start in range(0, len(items), chunk_size)]
-    results: list[list[dict] | None] = [None] * len(chunks)
+    # String and number checks here (nearly every GSM8K answer ends there); only sympy's work goes to workers.
+    rewards: list[dict | None] = [None] * len(items)
+    questions = []  # (index, [answer, truths, fast])
+    for index, (response, truth, fast) in enumerate(items):
+        if not _is_formatted(response):
+            rewards[index] = dict(UNFORMATTED)
+            continue
+        try:
+            verdict = _verdict_without_sympy(response, truth)
+            if not isinstance(verdict, bool):
+                questions.append((index, [*verdict, bool(fast)]))
+                continue
+        except Exception:  # as in r1_zero_reward_fn: a bug on odd input costs one reward
+            verdict = False
+        rewards[index] = dict(CORRECT if verdict else FORMATTED_WRONG)
+    if not questions:
+        return rewards
+
+    chunk_size = max(1, -(-len(questions) // (num_workers * 4)))
+    chunks = [questions[start : start + chunk_size] for start in range(0, len(questions), chunk_size)]
+    results: list[list[bool] | None] = [None] * len(chunks)
     try:
-        pool = _get_pool(num_workers)
-        futures = [pool.submit(_grade_chunk, chunk) for chunk in chunks]
-        # Generous: pool start-up, then every item at its full time limit spread over the workers.
-        deadline = time.monotonic() + 60 + len(items) * SYMBOLIC_TIME_LIMIT_S * 2 / num_workers
-        for index, future in enumerate(futures):
-            results[index] = future.result(timeout=max(0.0, deadline - time.monotonic()))
-    except Exception as error:  # BrokenProcessPool (a worker died), TimeoutError, pickling errors
+        pool = _get_batch_pool(num_workers)
+        # Generous: every question at its full time limit spread over the workers, and a minute more.
+        deadline = time.monotonic() + 60 + len(questions) * SYMBOLIC_TIME_LIMIT_S * 2 / num_workers
+        pool.match([[question for _, question in chunk] for chunk in chunks], results, deadline)
+    except Exception as error:  # a worker died or hung, a malformed reply, workers that would not start
         logger.warning("grading pool failed (%s); grading the rest serially", type(error).__name__)
-        _shutdown_pool()
-    return [
-        reward
-        for chunk, result in zip(chunks, results)
-        for reward in (result if result is not None else _grade_chunk(chunk))
-    ]
+        _stop_batch_pool()
+    for chunk, verdicts in zip(chunks, results):
+        for position, (index, _) in enumerate(chunk):
+            if verdicts is None:
+                rewards[index] = r1_zero_reward_fn(*items[index])
+            else:
+                rewards[index] = dict(CORRECT if verdicts[position] else FORMATTED_WRONG)
+    return rewards

@@ -2,11 +2,14 @@
 
 Exact tables for format and equivalence, every GSM8K gold completion (and the same with
 the answer off by one), random strings that must never raise, hostile input that must
-return within a second, and model text that must never run as Python.
+return within a second (also from 8 threads at once), model text that must never run as
+Python, and worker processes that never re-run the caller's script.
 """
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from decimal import Decimal
@@ -31,15 +34,6 @@ LEGAL_REWARDS = (CORRECT, FORMATTED_WRONG, UNFORMATTED)
 def respond(answer: str) -> str:
     """A well-formatted rollout whose answer block holds `answer`."""
     return f" 2 + 2 makes 4. </think> <answer> {answer} </answer>"
-
-
-def find_gsm8k_dir() -> Path:
-    """`$GSM8K_DIR`, else `data/gsm8k` under the repo, else the shared copy; skip when none has both splits."""
-    candidates = [os.environ.get("GSM8K_DIR"), REPO_ROOT / "data" / "gsm8k", "/work/shared/data/gsm8k"]
-    for candidate in candidates:
-        if candidate and all((Path(candidate) / f"{split}.jsonl").is_file() for split in SPLITS):
-            return Path(candidate)
-    pytest.skip("GSM8K jsonl files not found: set GSM8K_DIR or run `python -m alignment.data download`")
 
 
 # ---------------------------------------------------------------- format
@@ -225,9 +219,9 @@ def test_slow_path_agrees_on_clear_cases(answer, truth):
 
 
 @pytest.fixture(scope="module")
-def gsm8k_gold():
+def gsm8k_gold(gsm8k_dir):
     """(sft completion, ground truth) for every train and test row, built as the dataset builds them."""
-    data_dir = find_gsm8k_dir()
+    data_dir = gsm8k_dir
     pairs = []
     for split in SPLITS:
         dataset = Gsm8kDataset(split, data_dir)
@@ -343,6 +337,42 @@ def test_hostile_answer_returns_within_a_second(answer):
             assert elapsed < 1.0, f"{elapsed:.2f} s"
 
 
+# Most of these passed the old size guard and made sympy compute a factorial of millions
+# (or 9^{362880}) for the whole time limit: all are refused before sympy now (string match only).
+HUGE_FACTORIALS = [
+    "\\Gamma(10^{6})", "\\Gamma(1000000)", "\\Gamma \\left( 1000000 \\right)", "\\gamma(10^{6})", "\\Gamma^{2}(10^{6})",
+    "\\Gamma(9^{9})", "\\operatorname{gamma}(1000000)", "\\mathrm{Gamma}(10^{6})", "\\lfloor 1000000\\rfloor!",
+    "\\lceil 10^6 \\rceil!", "\\lfloor\\frac{1000000}{1}\\rfloor!", "(10^6)!", "1000!", "9^9!", "2^{\\Gamma(999)}",
+    "\\Gamma(999)^{999}",
+]
+SMALL_FACTORIALS = [
+    # (answer, truth, expected): still compared by sympy
+    ("5!", "120", CORRECT),
+    ("3!", "6", CORRECT),
+    ("3!", "7", FORMATTED_WRONG),
+    ("\\Gamma(5)", "24", CORRECT),
+    ("\\Gamma(5)", "4!", CORRECT),
+    ("\\Gamma(5)", "25", FORMATTED_WRONG),
+    ("\\Gamma(\\frac{1}{2})", "\\sqrt{\\pi}", CORRECT),
+    ("\\frac{6!}{4!}", "30", CORRECT),
+]
+
+
+def test_huge_factorial_and_gamma_arguments_are_refused_before_sympy():
+    r1_zero_reward_fn(respond("\\Gamma(5)"), "24")  # warm-up outside the timing
+    for answer in HUGE_FACTORIALS:
+        assert not drgrpo_grader._is_safe_for_symbolic(answer), answer
+        start = time.perf_counter()
+        assert r1_zero_reward_fn(respond(answer), "18") == FORMATTED_WRONG
+        assert r1_zero_reward_fn(respond("18"), answer) == FORMATTED_WRONG
+        elapsed = time.perf_counter() - start
+        assert elapsed < 0.2, f"{answer}: {elapsed:.2f} s for two calls (the time limit is 0.4 s each)"
+        assert r1_zero_reward_fn(respond(answer), answer) == CORRECT  # string match still works
+    for answer, truth, expected in SMALL_FACTORIALS:
+        assert drgrpo_grader._is_safe_for_symbolic(answer), answer
+        assert r1_zero_reward_fn(respond(answer), truth) == expected, (answer, truth)
+
+
 def test_time_limit_stops_slow_symbolic_work_and_restores_the_alarm_handler(monkeypatch):
     def spin_forever(*args):
         while True:
@@ -413,8 +443,9 @@ def test_python_code_in_answers_is_never_executed(tmp_path):
 
 # ---------------------------------------------------------------- off the main thread
 
-# Passes the size guard, so only the time limit stops it: minutes of sympy without one.
-SLOW_SYMBOLIC = respond("\\Gamma(10^{9})")
+# Passes the size guard, so only the time limit stops it: more than 20 s of sympy without one.
+SLOW_ANSWER = "(x+y+i)^{200}"
+SLOW_SYMBOLIC = respond(SLOW_ANSWER)
 
 
 def grade_in_thread(response: str, truth) -> tuple[dict | None, float]:
@@ -464,7 +495,7 @@ def test_concurrent_threads_each_get_their_own_result():
         (respond("\\sqrt{2}"), "2^{1/2}", CORRECT),
         (respond("(2,1)"), "(1,2)", FORMATTED_WRONG),
         (SLOW_SYMBOLIC, "18", FORMATTED_WRONG),  # holds a worker for the full limit meanwhile
-        (SLOW_SYMBOLIC, "\\Gamma(10^{9})", CORRECT),  # decided by string match, no worker
+        (SLOW_SYMBOLIC, SLOW_ANSWER, CORRECT),  # decided by string match, no worker
     ]
     start_together = threading.Barrier(len(cases))
     results = [None] * len(cases)
@@ -479,3 +510,164 @@ def test_concurrent_threads_each_get_their_own_result():
     for thread in threads:
         thread.join(timeout=30)
     assert results == [expected for _, _, expected in cases]
+
+
+# ---------------------------------------------------------------- many threads, and a caller's unguarded script
+
+BENIGN = [
+    # (response, truth, expected): each needs sympy, so from a thread each goes to a worker
+    (respond("\\frac{1}{2}"), "0.5", CORRECT),
+    (respond("(x+1)^2"), "x^2+2x+1", CORRECT),
+    (respond("\\sqrt{2}"), "2^{1/2}", CORRECT),
+    (respond("\\frac{1}{3}"), "0.5", FORMATTED_WRONG),
+    (respond("\\Gamma(5)"), "24", CORRECT),
+    (respond("(2,1)"), "(1,2)", FORMATTED_WRONG),
+]
+MAX_THREAD_WAIT_S = 1.5  # the bound is SYMBOLIC_TIME_LIMIT_S + WORKER_OVERHEAD_S = 0.7 s; slack for a slow CI machine
+
+
+def grade_from_threads(cases_per_thread: list[list[tuple]]) -> list[list[tuple[dict, float]]]:
+    """Each thread grades its own (response, truth, ...) list, all starting together: (reward, seconds) per call."""
+    start_together = threading.Barrier(len(cases_per_thread))
+    results = [[] for _ in cases_per_thread]
+
+    def grade(index):
+        start_together.wait()
+        for response, truth, *_ in cases_per_thread[index]:
+            start = time.perf_counter()
+            reward = r1_zero_reward_fn(response, truth)
+            results[index].append((reward, time.perf_counter() - start))
+
+    threads = [threading.Thread(target=grade, args=(index,), daemon=True) for index in range(len(cases_per_thread))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    return results
+
+
+def test_eight_threads_of_hostile_answers_each_wait_within_the_bound():
+    """The attack: 8 threads x the hostile set. Before, huge Gamma and factorial answers held the
+    workers for the whole limit, and callers queued for a free worker before their deadline
+    started: the longest call waited 14.5 s on 2 CPUs. Benign answers mixed in must still be right."""
+    assert grade_in_thread(*BENIGN[0][:2])[0] == CORRECT  # starts the workers (seconds) if no earlier test did
+    hostile = [(respond(answer), "18", FORMATTED_WRONG) for name, answer in HOSTILE.items() if name != "slow-expand"]
+    hostile += [(respond(answer), "18", FORMATTED_WRONG) for answer in HUGE_FACTORIALS]
+    mixed = []
+    for index, case in enumerate(hostile):
+        if index % 4 == 0:  # a benign answer before every fourth hostile one
+            mixed.append(BENIGN[index // 4 % len(BENIGN)])
+        mixed.append(case)
+    cases_per_thread = [mixed[index * 5 :] + mixed[: index * 5] for index in range(8)]  # each thread starts elsewhere
+    results = grade_from_threads(cases_per_thread)
+    longest = max(seconds for per_thread in results for _, seconds in per_thread)
+    print(f"8 threads x {len(mixed)} answers ({len(hostile)} hostile): longest wait {longest:.2f} s")
+    for cases, per_thread in zip(cases_per_thread, results):
+        assert [reward for reward, _ in per_thread] == [expected for _, _, expected in cases]
+    assert longest <= MAX_THREAD_WAIT_S
+
+
+def test_a_flood_of_slow_answers_cannot_make_a_thread_wait_longer():
+    """8 threads x 3 answers that each hold a worker for the whole time limit: more work than the
+    workers can do in time, so most count as wrong, but no caller waits for the others' turns,
+    and the abandoned work does not clog the workers for the calls that come next."""
+    assert grade_in_thread(*BENIGN[0][:2])[0] == CORRECT  # starts the workers (seconds) if no earlier test did
+    results = grade_from_threads([[(SLOW_SYMBOLIC, "18")] * 3] * 8)
+    longest = max(seconds for per_thread in results for _, seconds in per_thread)
+    print(f"8 threads x 3 slow answers: longest wait {longest:.2f} s")
+    assert [reward for per_thread in results for reward, _ in per_thread] == [FORMATTED_WRONG] * 24
+    assert longest <= MAX_THREAD_WAIT_S
+    after = grade_from_threads([[case] for case in BENIGN])
+    assert [per_thread[0][0] for per_thread in after] == [expected for _, _, expected in BENIGN]
+
+
+# The report's script, and a second call that needs sympy (the first is now refused before any worker).
+UNGUARDED_SCRIPT = r"""import threading; from alignment.drgrpo_grader import r1_zero_reward_fn
+grade = lambda answer, truth: print(r1_zero_reward_fn(f"</think> <answer> {answer} </answer>", truth))
+t = threading.Thread(target=lambda: grade("\\Gamma(10^{9})", "18")); t.start(); t.join()
+t = threading.Thread(target=lambda: grade("\\frac{1}{2}", "0.5")); t.start(); t.join()
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_a_callers_unguarded_script_runs_once(tmp_path, how):
+    """Workers must not re-run the caller's `__main__` (spawn did: as a file the script printed each
+    result once more per worker; fed on stdin, its workers failed and respawned without end)."""
+    script = tmp_path / "grade.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    command = [sys.executable, str(script)] if how == "file" else [sys.executable, "-"]
+    done = subprocess.run(
+        command, input=UNGUARDED_SCRIPT if how == "stdin" else "", capture_output=True, text=True, timeout=60,
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the second verdict needed sympy from a thread, so a worker gave it
+    assert done.stdout.splitlines() == [str(FORMATTED_WRONG), str(CORRECT)], done.stderr[-3000:]
+
+
+def test_a_worker_that_dies_is_replaced_and_ctrl_c_does_not_reach_it(caplog):
+    assert grade_in_thread(*BENIGN[0][:2])[0] == CORRECT  # starts the workers (seconds) if no earlier test did
+    pool = drgrpo_grader._symbolic_pool
+    first = pool.workers[0].process
+    first.send_signal(signal.SIGINT)  # Ctrl-C goes to the whole process group: the caller's to handle
+    time.sleep(0.3)
+    assert first.poll() is None
+    first.kill()
+    first.wait()
+    # Calls go on meanwhile: the one that meets the dead worker counts as wrong, none waits longer than the bound.
+    deadline = time.monotonic() + 60
+    while pool.workers[0].process is first and time.monotonic() < deadline:
+        results = grade_from_threads([[case] for case in BENIGN])  # busy enough that every worker gets a task
+        for (reward, seconds), (_, _, expected) in zip((per_thread[0] for per_thread in results), BENIGN):
+            assert reward in (expected, FORMATTED_WRONG) and seconds <= MAX_THREAD_WAIT_S
+    # replaced once the new worker had started (importing sympy, in the feeder's thread), and it serves as before
+    assert pool.workers[0].process is not first and pool.workers[0].process.poll() is None
+    assert "a grading worker died or hung" in caplog.text
+    results = grade_from_threads([[case] * 2 for case in BENIGN])
+    assert [[reward for reward, _ in per_thread] for per_thread in results] == [[expect] * 2 for _, _, expect in BENIGN]
+
+
+FORK_AND_EXIT_SCRIPT = r"""import os, threading
+from alignment import drgrpo_grader
+
+def reward_in_thread(answer, truth):
+    response, result = f"</think> <answer> {answer} </answer>", []
+    thread = threading.Thread(target=lambda: result.append(drgrpo_grader.r1_zero_reward_fn(response, truth)))
+    thread.start(); thread.join()
+    return result[0]["reward"]
+
+assert reward_in_thread("\\frac{1}{2}", "0.5") == 1.0
+workers = [worker.process.pid for worker in drgrpo_grader._symbolic_pool.workers]
+child = os.fork()
+if child == 0:  # the parent's workers are not the child's: it starts its own
+    own = drgrpo_grader._symbolic_pool is None  # forgotten at the fork
+    ok = own and reward_in_thread("\\sqrt{2}", "2^{1/2}") == 1.0
+    ok = ok and not {worker.process.pid for worker in drgrpo_grader._symbolic_pool.workers} & set(workers)
+    os._exit(0 if ok else 1)
+assert os.waitpid(child, 0)[1] == 0
+assert reward_in_thread("\\frac{1}{3}", "0.5") == 0.0 and reward_in_thread("(x+1)^2", "x^2+2x+1") == 1.0
+print(*workers)
+"""
+
+
+def test_a_forked_child_starts_its_own_workers_and_all_stop_at_exit(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_AND_EXIT_SCRIPT], capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    workers = [int(pid) for pid in done.stdout.split()]
+    assert len(workers) == min(drgrpo_grader._available_cpus(), drgrpo_grader.MAX_SYMBOLIC_WORKERS)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(is_running(pid) for pid in workers):
+        time.sleep(0.1)
+    assert not any(is_running(pid) for pid in workers)  # stopped at exit (a pid is not reused this soon)
+
+
+def is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
