@@ -172,7 +172,7 @@ def build_rl_parser() -> argparse.ArgumentParser:
                            "so the loss scores the distribution the rollouts were drawn from (TRL, verl); 1 = the seed's raw-model scoring")
     loss.add_argument("--sampler_logprobs_every", type=_non_negative_int, default=10,
                       help="on step 1 and every Nth rollout step, ask the sampler for its log-probs of the sampled tokens, for train/sampler_* (the sampler/trainer gap); "
-                           "1 = every step, 0 = never. A vLLM batch that returns log-probs ran at half speed on an H200 (W1: 19k against 39k tokens/s; "
+                           "1 = every step, 0 = never. A vLLM batch that returns log-probs runs markedly slower (bench/RESULTS.md; "
                            "vLLM's front end handles each log-prob in Python)")
     loss.add_argument("--logprob_chunk_size", type=_non_negative_int, default=1024, help="tokens per chunk of the fused lm_head+log-softmax (never builds fp32 (B,T,V)); 0 = naive log_softmax+gather")
     loss.add_argument("--pack_sequences", action=argparse.BooleanOptionalAction, default=None,

@@ -5,8 +5,9 @@
 AdamW's state stay in fp32 and forward/backward run under `torch.autocast` in the
 compute dtype, as TRL, verl and OpenRLHF train. Why it matters: AdamW's step on a
 bf16 weight of magnitude ~0.02 is rounded away unless it exceeds half a bf16 ulp
-(~6e-5), so at lr 1e-6 about 98% of the elements never move (ENVIRONMENT.md
-measured 1.96% changed per step; fp32 master weights change 100%).
+(~6e-5), so at lr 1e-6 about 98% of the elements never move (measured: torch AdamW
+on a bf16 weight of std 0.02 changed 1.96% of its elements per step; with fp32 master
+weights, 100%).
 
 `--no-fp32_master_weights` keeps the seed's behaviour: parameters, gradients and
 optimizer state all in the compute dtype (half the memory, no autocast).

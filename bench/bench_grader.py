@@ -68,7 +68,7 @@ def respond(answer: str) -> str:
 
 
 def find_gsm8k_dir(explicit: str | None) -> Path | None:
-    for candidate in (explicit, os.environ.get("GSM8K_DIR"), REPO_ROOT / "data" / "gsm8k", "/work/shared/data/gsm8k"):
+    for candidate in (explicit, os.environ.get("GSM8K_DIR"), REPO_ROOT / "data" / "gsm8k"):
         if candidate and all((Path(candidate) / f"{split}.jsonl").is_file() for split in SPLITS):
             return Path(candidate)
     return None

@@ -1,4 +1,4 @@
-"""Workload 3: rollout throughput (vLLM and HF generate) and policy -> vLLM weight sync.
+"""Rollout throughput (vLLM and HF generate) and policy -> vLLM weight sync (bench/RESULTS.md, section 6).
 
     python bench/bench_rollout.py                                   # sampler and policy on cuda:0
     python bench/bench_rollout.py --device cuda:1 --policy_device cuda:0

@@ -1,4 +1,4 @@
-"""Workload 4: whole GRPO steps through the real `python -m alignment.train_rl`.
+"""Whole GRPO steps through the real `python -m alignment.train_rl` (bench/RESULTS.md, section 3).
 
     python bench/bench_step.py --gpus 1            # all roles share cuda:0
     python bench/bench_step.py --gpus 2            # vLLM sampler on cuda:1, policy on cuda:0
@@ -6,7 +6,7 @@
     python bench/bench_step.py --gpus 2 --fsdp     # torchrun, 2 ranks: FSDP2 policy, a vLLM engine per rank
     python bench/bench_step.py --device cpu --tiny # CI smoke
 
-Workload W1 (the TRL comparison in ENVIRONMENT.md): a random-init model of the
+Workload W1 (the TRL comparison; bench_trl.py runs TRL on it): a random-init model of the
 Qwen2.5-Math-1.5B shape, trained as train_rl trains by default (fp32 master weights,
 bf16 compute; `--extra=--no-fp32_master_weights` for pure bf16); r1_zero prompts from GSM8K test questions; 32
 prompts x 8 samples = 256 completions per optimizer step, each exactly 256 new
@@ -58,8 +58,7 @@ def prepare_data(folder: Path) -> Path:
 
 def visible_gpus(count: int, given: str | None) -> str:
     """CUDA_VISIBLE_DEVICES for the run: the first `count` of the caller's (`given`), or 0..count-1 when unset.
-    A caller's CUDA_VISIBLE_DEVICES=1 keeps the run on GPU 1 (bench/stack_session.sh's second lane once
-    landed on GPU 0, beside the first lane's benchmark, when this always said 0)."""
+    A caller's CUDA_VISIBLE_DEVICES=1 keeps the run on GPU 1, so two benchmarks can run side by side on two GPUs."""
     visible = [gpu.strip() for gpu in given.split(",") if gpu.strip()] if given is not None else [str(i) for i in range(count)]
     if len(visible) < count:
         raise SystemExit(f"--gpus {count}, but CUDA_VISIBLE_DEVICES={given} leaves {len(visible)}: widen it or lower --gpus")

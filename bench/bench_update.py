@@ -1,14 +1,14 @@
-"""Workloads 1 and 2: the policy update and the log-prob pass, through train_rl's code.
+"""The policy update and the log-prob pass, through train_rl's code (bench/RESULTS.md, sections 4 and 5).
 
     python bench/bench_update.py                        # GPU: Qwen2.5-Math-1.5B shape, bf16
     python bench/bench_update.py --device cpu --tiny    # CI smoke: seconds on a CPU
 
-Workload 1 (policy update): one optimizer step over a GRPO batch of 256 sequences,
+The policy update: one optimizer step over a GRPO batch of 256 sequences,
 prompts from GSM8K (~150 tokens), response lengths 50..1024 (mean ~300), run by
 `update_policy` (fwd + bwd + AdamW). Each row: tokens/s (real tokens,
 padding excluded), MFU against the bf16 matmul rate measured in the same call,
 peak memory, and the share of computed positions that were padding.
-Workload 2 (log-prob pass): `score_with`, forward only, as for the
+The log-prob pass: `score_with`, forward only, as for the
 reference model or the old policy.
 """
 

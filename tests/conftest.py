@@ -42,6 +42,28 @@ def tiny_model_and_tokenizer(tiny_checkpoint):
     return model, AutoTokenizer.from_pretrained(tiny_checkpoint)
 
 
+def train_rl_flags(task, name: str, *extra: str, checkpoint_path=None) -> list[str]:
+    """train_rl flags for a few steps on the tiny task (make_tiny_task) with the HF backend: the
+    checkpoint in <root>/<name>/rl, logs in <root>/runs/<name>. `extra` comes last, and argparse
+    keeps a flag's last value, so it overrides any of these."""
+    return [
+        "--sft_checkpoint_path", str(task.sft), "--checkpoint_path", str(checkpoint_path or task.root / name / "rl"),
+        "--data_dir", str(task.data), "--log_dir", str(task.root / "runs"), "--run_name", name,
+        "--layout", "auto", "--rollout_backend", "hf", "--rollout_batch_size", "4", "--group_size", "4",
+        "--train_mini_batch_size", "8", "--sampling_max_tokens", "16", "--eval_max_tokens", "16", "--eval_num_examples", "4",
+        "--evaluate_freq", "0", "--learning_rate", "1e-3",
+        "--kl_coef", "0.05",  # the random model earns no reward: a KL term keeps the update running (tied batches are skipped)
+        *extra,
+    ]
+
+
+def steps_log(task, name: str) -> list[dict]:
+    """The rows of a run's steps.jsonl (train_rl_flags' log folder)."""
+    from alignment.plot import read_jsonl
+
+    return read_jsonl(task.root / "runs" / name / "steps.jsonl")
+
+
 def update_settings(**changes):
     """`policy_update.UpdateSettings` for the update tests: one optimizer step of 16 rows in
     microbatches of 8, grpo_clip, the naive log-prob path; `changes` override any field."""

@@ -1,7 +1,6 @@
 """train_rl --rollout_staleness: the sampler in its own process, generating ahead of the
 policy, and the truncated importance sampling that corrects for it (CPU, tiny model)."""
 
-import json
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from alignment.errors import UserError
 from alignment.grpo import grpo_microbatch_train_step
 from alignment.rollout import SamplingSettings
 from alignment.sampler_process import RolloutsAhead, SamplerProcess
-from conftest import kill_train_rl_after_saved_state, make_tiny_task
+from conftest import kill_train_rl_after_saved_state, make_tiny_task, steps_log, train_rl_flags
 
 
 @pytest.fixture(scope="module")
@@ -21,25 +20,15 @@ def task(tmp_path_factory):
 
 
 def rl_flags(task, name, *extra):
-    return [
-        "--sft_checkpoint_path", str(task.sft), "--checkpoint_path", str(task.root / name / "rl"), "--data_dir", str(task.data),
-        "--log_dir", str(task.root / "runs"), "--run_name", name, "--layout", "auto", "--rollout_backend", "hf",
-        "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "8", "--sampling_max_tokens", "12",
-        "--eval_max_tokens", "12", "--eval_num_examples", "4", "--evaluate_freq", "0", "--sampling_temperature", "0.7",
-        "--kl_coef", "0.05",  # the random model earns no reward: KL keeps the update running
-        *extra,
-    ]
-
-
-def steps_of(task, name):
-    return [json.loads(line) for line in open(task.root / "runs" / name / "steps.jsonl")]
+    return train_rl_flags(task, name, "--sampling_max_tokens", "12", "--eval_max_tokens", "12", "--sampling_temperature", "0.7",
+                          "--learning_rate", "1e-6", *extra)
 
 
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_staleness_stays_within_the_bound(task, staleness):
     name = f"ahead_{staleness}"
     train_rl.main(rl_flags(task, name, "--rollout_staleness", str(staleness), "--max_steps", "5", "--learning_rate", "1e-3"))
-    steps = steps_of(task, name)
+    steps = steps_log(task, name)
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
     lags = [s["train/staleness"] for s in steps]
     # the first batch comes from the start weights; the next ones were sent `staleness` steps ahead
@@ -60,7 +49,7 @@ def test_importance_weights_are_one_when_the_sampler_holds_the_trainers_weights(
     name = f"same_weights_{backend}"
     train_rl.main(rl_flags(task, name, "--rollout_staleness", "1", "--max_steps", "3", "--learning_rate", "1e-15", "--rollout_backend", backend,
                            "--vllm_kv_cache_gb", "0.25", "--sampling_min_tokens", "0", "--repetition_penalty", "1.0"))
-    steps = steps_of(task, name)
+    steps = steps_log(task, name)
     assert [s["train/staleness"] for s in steps] == [0, 1, 1]
     for s in steps:
         assert s["train/sampler_importance_ratio"] == pytest.approx(1.0, abs=1e-4)
@@ -112,7 +101,7 @@ def test_staleness_needs_a_sampler_that_follows_the_policy(task):
 
 def test_staleness_of_the_seeds_frozen_sampler_counts_every_update(task):
     train_rl.main(rl_flags(task, "frozen", "--rollout_sync_every", "0", "--max_steps", "3", "--learning_rate", "1e-3"))
-    assert [s["train/staleness"] for s in steps_of(task, "frozen")] == [0, 1, 2]
+    assert [s["train/staleness"] for s in steps_log(task, "frozen")] == [0, 1, 2]
 
 
 def _alive(pid: int) -> bool:
@@ -185,7 +174,7 @@ def test_a_killed_one_step_off_run_resumes_and_restarts_its_pipeline(task):
     assert has_training_state(state_dir)
 
     train_rl.main([*run, "--resume"])
-    steps = steps_of(task, name)
+    steps = steps_log(task, name)
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     # steps 1-2 before the kill (0, then one step off); the resumed pipeline starts over at 0
     assert [s["train/staleness"] for s in steps] == [0, 1, 0, 1]

@@ -7,6 +7,7 @@ import pytest
 
 from alignment.data import Gsm8kDataset
 from alignment.drgrpo_grader import r1_zero_reward_fn
+from alignment.plot import read_jsonl
 from alignment.toy.synthetic_task import make_problem, write_synthetic_gsm8k
 
 
@@ -61,9 +62,11 @@ def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path):
     assert written["base_accuracy"] == 0.0  # a random model never closes the r1_zero format
     assert written["format_rate_sft"] > 0.9
     assert written["sft_accuracy"] > written["base_accuracy"]  # one SFT epoch on 1200 problems: ~0.1
-    assert 0.0 <= written["rl_accuracy"] <= 1.0
+    rl_samples = read_jsonl(tmp_path / "runs" / "eval_rl" / "samples.jsonl")  # the RL checkpoint's evaluation, one line a problem
+    assert len(rl_samples) == 48 and written["rl_accuracy"] == pytest.approx(sum(s["reward"] for s in rl_samples) / 48)
+    assert written["format_rate_rl"] > 0.9  # two small RL steps keep SFT's format
     # the RL stage ran its two steps and wrote a loadable checkpoint plus TensorBoard events
-    steps = [json.loads(line) for line in (tmp_path / "runs" / "rl" / "steps.jsonl").read_text().splitlines()]
+    steps = read_jsonl(tmp_path / "runs" / "rl" / "steps.jsonl")
     assert [row["step"] for row in steps] == [1, 2]
     assert (tmp_path / "checkpoints" / "rl" / "config.json").is_file()
     assert list((tmp_path / "runs" / "rl").glob("events.out.tfevents.*"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_task
+from conftest import make_tiny_task, steps_log, train_rl_flags
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -41,11 +41,8 @@ def test_two_rank_fsdp_step_equals_one_process_step(tiny_checkpoint, tmp_path):
 
 def run_flags(task, tmp_path, name, *extra):
     """train_rl flags for a two-step-sized run on the tiny task; `extra` sets backend, layout and steps."""
-    return [
-        "--sft_checkpoint_path", str(task.sft), "--checkpoint_path", str(tmp_path / "rl"), "--data_dir", str(task.data),
-        "--log_dir", str(tmp_path / "runs"), "--run_name", name, "--rollout_batch_size", "4", "--group_size", "4",
-        "--train_mini_batch_size", "4", "--sampling_max_tokens", "12", "--eval_max_tokens", "12", *extra,
-    ]
+    return train_rl_flags(task, name, "--train_mini_batch_size", "4", "--sampling_max_tokens", "12", "--eval_max_tokens", "12",
+                          "--kl_coef", "0", "--learning_rate", "1e-6", *extra, checkpoint_path=tmp_path / "rl")
 
 
 def test_train_rl_under_torchrun_end_to_end(tmp_path):
@@ -59,7 +56,7 @@ def test_train_rl_under_torchrun_end_to_end(tmp_path):
     out = run([*TORCHRUN, "-m", "alignment.train_rl", *flags])
     assert "each of 2 ranks, FSDP2 policy" in out
     assert "master weights, gradients and AdamW state fp32; forward/backward under autocast bf16" in out
-    steps = [json.loads(line) for line in open(tmp_path / "runs" / "fsdp" / "steps.jsonl")]
+    steps = steps_log(task, "fsdp")
     assert [s["step"] for s in steps] == [1, 2]  # rank 0 alone writes
     final = json.loads((tmp_path / "runs" / "fsdp" / "final_eval_metrics.json").read_text())
     assert final["num_examples"] == 7  # both ranks' shares gathered, every example once
@@ -107,7 +104,7 @@ def test_state_saved_by_two_ranks_resumes_in_one_process(tmp_path):
     assert counters["step"] == 1 and counters["world_size"] == 2
     out = run([sys.executable, "-m", "alignment.train_rl", *flags, "--resume"])  # one process, the seed's layout
     assert "resumed from" in out and "at step 1" in out
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "runs" / "switch" / "steps.jsonl")]
+    steps = [s["step"] for s in steps_log(task, "switch")]
     assert steps == [1, 2, 3]
     assert (tmp_path / "rl" / "model.safetensors").is_file() and not (tmp_path / "rl.state").exists()
 
@@ -120,7 +117,7 @@ def test_train_rl_under_torchrun_with_a_vllm_engine_per_rank(tmp_path):
                       "--eval_num_examples", "8", "--max_steps", "2", "--evaluate_freq", "2")
     out = run([*TORCHRUN, "-m", "alignment.train_rl", *flags])
     assert "each of 2 ranks, FSDP2 policy" in out and "vLLM sampler on cpu started" in out
-    steps = [json.loads(line) for line in open(tmp_path / "runs" / "fsdp_vllm" / "steps.jsonl")]
+    steps = steps_log(task, "fsdp_vllm")
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["train/response_length"] > 0 for s in steps)  # both engines generated
     final = json.loads((tmp_path / "runs" / "fsdp_vllm" / "final_eval_metrics.json").read_text())

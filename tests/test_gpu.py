@@ -5,13 +5,13 @@ master weights. Run on a GPU box with `pytest tests/test_gpu.py`."""
 
 import copy
 import importlib.util
-import json
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO_ROOT, make_tiny_task
+from alignment.plot import read_jsonl
+from conftest import REPO_ROOT, make_tiny_task, train_rl_flags
 from test_rollout import PROMPTS, perturbed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
@@ -34,9 +34,7 @@ def gpu_engine(tiny_checkpoint):
 
 def sampler_gap(engine, policy) -> float:
     """Mean |sampler log-prob - policy log-prob| over the engine's greedy tokens (bench_rollout's proof)."""
-    if str(REPO_ROOT / "bench") not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT / "bench"))
-    from bench_rollout import hf_log_probs, mean_abs_difference, vllm_token_log_probs
+    from bench_rollout import hf_log_probs, mean_abs_difference, vllm_token_log_probs  # bench/ is on pytest's path (pyproject.toml)
 
     sequences = vllm_token_log_probs(engine, PROMPTS, max_tokens=12)
     return mean_abs_difference(sequences, hf_log_probs(policy, sequences, "cuda:0"))
@@ -65,14 +63,12 @@ def test_train_rl_on_a_gpu_with_fp32_master_weights(tmp_path):
     import subprocess
 
     task = make_tiny_task(tmp_path, num_train=32, num_test=8, seed=1)
-    flags = ["--sft_checkpoint_path", str(task.sft), "--checkpoint_path", str(tmp_path / "rl"), "--tmp_checkpoint_path", str(tmp_path / "rl_tmp"),
-             "--data_dir", str(task.data), "--log_dir", str(tmp_path / "runs"), "--run_name", "gpu", "--layout", "auto",
-             "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "4", "--sampling_max_tokens", "24",
-             "--eval_max_tokens", "24", "--eval_num_examples", "8", "--max_steps", "2", "--evaluate_freq", "2", "--learning_rate", "1e-3",
-             "--kl_coef", "0.01", "--vllm_gpu_memory_utilization", "0.2"]
+    flags = train_rl_flags(task, "gpu", "--rollout_backend", "vllm", "--tmp_checkpoint_path", str(tmp_path / "rl_tmp"), "--train_mini_batch_size", "4",
+                           "--sampling_max_tokens", "24", "--eval_max_tokens", "24", "--eval_num_examples", "8", "--max_steps", "2",
+                           "--evaluate_freq", "2", "--kl_coef", "0.01", "--vllm_gpu_memory_utilization", "0.2", checkpoint_path=tmp_path / "rl")
     done = subprocess.run([sys.executable, "-m", "alignment.train_rl", *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    steps = [json.loads(line) for line in open(tmp_path / "runs" / "gpu" / "steps.jsonl")]
+    steps = read_jsonl(tmp_path / "runs" / "gpu" / "steps.jsonl")
     assert [s["step"] for s in steps] == [1, 2]
     assert steps[0]["train/sampler_logprob_abs_diff"] < 0.1  # step 1 compares the sampler's log-probs with the trainer's
     assert all(s["train/grad_norm"] > 0 for s in steps)

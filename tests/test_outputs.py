@@ -21,7 +21,7 @@ import pytest
 from alignment import checkpoint, evaluate, train_rl, train_sft
 from alignment.checkpoint import MANIFEST_NAME, OutputLock, has_training_state, read_manifest, verify_manifest, write_atomically
 from alignment.errors import UserError
-from conftest import make_tiny_task
+from conftest import make_tiny_task, steps_log, train_rl_flags
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
@@ -33,13 +33,7 @@ def pipeline(tmp_path_factory):
 
 
 def flags(pipeline, name, *extra, checkpoint_path=None):
-    return [
-        "--sft_checkpoint_path", str(pipeline.sft), "--checkpoint_path", str(checkpoint_path or pipeline.root / name / "rl"),
-        "--data_dir", str(pipeline.data), "--log_dir", str(pipeline.root / "runs"), "--run_name", name,
-        "--layout", "auto", "--rollout_backend", "hf", "--rollout_batch_size", "4", "--group_size", "4",
-        "--train_mini_batch_size", "8", "--sampling_max_tokens", "16", "--eval_max_tokens", "16", "--eval_num_examples", "4",
-        "--evaluate_freq", "0", "--learning_rate", "1e-3", "--kl_coef", "0.05", "--max_steps", "3", *extra,
-    ]
+    return train_rl_flags(pipeline, name, "--max_steps", "3", *extra, checkpoint_path=checkpoint_path)
 
 
 def snapshot(folder: Path) -> dict:
@@ -124,7 +118,7 @@ def test_resume_refuses_run_defining_changes_and_applies_safe_ones(pipeline, mon
     assert "resume: --learning_rate 0.002 (the run had 0.001) takes effect" in out
     assert "resume: --torch_compile" not in out and "resume: --pack_sequences" not in out  # left at auto both times: no change to report
     assert "resume: --" not in out.replace("resume: --learning_rate", "")  # devices resolved by --layout auto are not reported as changed
-    steps = [json.loads(line) for line in open(pipeline.root / "runs" / "changed" / "steps.jsonl")]
+    steps = steps_log(pipeline, "changed")
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert steps[0]["train/lr"] == pytest.approx(1e-3) and steps[2]["train/lr"] == pytest.approx(2e-3)
 
@@ -284,13 +278,13 @@ def _model_and_tokenizer(pipeline):
 
 def test_a_torn_last_line_of_steps_log_does_not_block_resume(pipeline, monkeypatch, capsys):
     interrupted_run(pipeline, "torn", monkeypatch)
-    steps_log = pipeline.root / "runs" / "torn" / "steps.jsonl"
-    with open(steps_log, "a") as handle:
+    torn_log = pipeline.root / "runs" / "torn" / "steps.jsonl"
+    with open(torn_log, "a") as handle:
         handle.write('{"step": 2, "train/rew')  # a crash mid-write
     capsys.readouterr()
     train_rl.main(flags(pipeline, "torn", "--save_state_every", "1", "--resume"))
     assert "dropped 1 unreadable line(s)" in capsys.readouterr().out
-    assert [json.loads(line)["step"] for line in steps_log.read_text().splitlines()] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in torn_log.read_text().splitlines()] == [1, 2, 3]  # every line whole again
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -313,7 +307,7 @@ def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(pipeline
     assert resume.endswith("--resume") and "--save_state_every 5" in resume
     finished = subprocess.run(resume.replace("python", sys.executable, 1), shell=True, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]
-    steps = [json.loads(line)["step"] for line in open(pipeline.root / "runs" / name / "steps.jsonl")]
+    steps = [s["step"] for s in steps_log(pipeline, name)]
     assert steps == list(range(1, 7))
 
 

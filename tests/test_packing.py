@@ -10,7 +10,7 @@ from alignment.packing import layout
 from alignment.policy_update import microbatches, score_with, update_policy
 from alignment.rollout import load_hf_model, load_tokenizer
 from alignment.sft_helpers import get_response_log_probs
-from conftest import make_tiny_task, update_settings
+from conftest import make_tiny_task, steps_log, train_rl_flags, update_settings
 from test_precision import grpo_batch
 
 
@@ -126,19 +126,11 @@ def test_packed_scoring_equals_padded_scoring(task, batch):
 def test_train_rl_with_packing_scores_and_steps_like_the_padded_run(task):
     """End to end: the policy update and the reference model's scoring pass (KL) both packed.
     Step 1 sees the same rollouts in both runs, so its metrics agree; every step finishes."""
-    import json
-
     from alignment import train_rl
 
     def run(name, *extra):
-        train_rl.main([
-            "--sft_checkpoint_path", str(task.sft), "--checkpoint_path", str(task.root / name / "rl"), "--data_dir", str(task.data),
-            "--log_dir", str(task.root / "runs"), "--run_name", name, "--layout", "auto", "--rollout_backend", "hf",
-            "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "8", "--sampling_max_tokens", "16",
-            "--eval_max_tokens", "16", "--eval_num_examples", "4", "--evaluate_freq", "0", "--learning_rate", "1e-4",
-            "--kl_coef", "0.05", "--max_steps", "2", *extra,
-        ])
-        return [json.loads(line) for line in open(task.root / "runs" / name / "steps.jsonl")]
+        train_rl.main(train_rl_flags(task, name, "--learning_rate", "1e-4", "--max_steps", "2", *extra))
+        return steps_log(task, name)
 
     padded, packed = run("padded"), run("packed", "--pack_sequences")
     # the fast path in full: packed microbatches cut by tokens, compiled policy and reference layers

@@ -1,8 +1,5 @@
 """fp32 master weights with bf16 compute, and scoring at the sampling temperature (CPU autocast)."""
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -14,7 +11,7 @@ from alignment.policy_update import sequence_lengths, update_policy
 from alignment.precision import autocast
 from alignment.rollout import load_hf_model, load_tokenizer
 from alignment.sft_helpers import get_response_log_probs, tokenize_rollout_ids
-from conftest import make_tiny_task, update_settings
+from conftest import make_tiny_task, steps_log, train_rl_flags, update_settings
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +106,7 @@ def test_temperature_scaled_log_probs_equal_a_hand_computation(tiny_model_and_to
 
 
 def rl_flags(task, name, *extra):
-    return [
-        "--sft_checkpoint_path", str(task.sft), "--checkpoint_path", str(task.root / name / "rl"), "--data_dir", str(task.data),
-        "--log_dir", str(task.root / "runs"), "--run_name", name, "--layout", "auto", "--rollout_backend", "hf",
-        "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "8", "--sampling_max_tokens", "16",
-        "--eval_max_tokens", "16", "--eval_num_examples", "4", "--evaluate_freq", "0", "--learning_rate", "1e-5",
-        "--kl_coef", "0.05", "--sampling_temperature", "0.7", "--dtype", "bfloat16", "--max_steps", "2", *extra,
-    ]
+    return train_rl_flags(task, name, "--learning_rate", "1e-5", "--sampling_temperature", "0.7", "--dtype", "bfloat16", "--max_steps", "2", *extra)
 
 
 def test_bf16_compute_run_saves_and_resumes_fp32_master_weights(task, monkeypatch):
@@ -127,7 +118,7 @@ def test_bf16_compute_run_saves_and_resumes_fp32_master_weights(task, monkeypatc
     moved = torch.cat([(full[k] - start[k]).flatten() for k in start])
     assert (moved != 0).float().mean() > 0.99
     assert any(not torch.equal(t, t.bfloat16().float()) for t in full.values())
-    steps = [json.loads(line) for line in open(task.root / "runs" / "full" / "steps.jsonl")]
+    steps = steps_log(task, "full")
     # HF sampler at temperature 0.7 and the trainer scoring at 0.7, both bf16 compute on the same
     # weights; measured on step 1 and every 10th (--sampler_logprobs_every 10), so not on step 2
     assert steps[0]["train/sampler_logprob_abs_diff"] < 0.05
@@ -154,5 +145,5 @@ def test_bf16_compute_run_saves_and_resumes_fp32_master_weights(task, monkeypatc
 
 def test_seed_scoring_at_temperature_one_shows_the_gap(task):
     train_rl.main(rl_flags(task, "untempered", "--scoring_temperature", "1", "--max_steps", "1"))
-    (step,) = [json.loads(line) for line in open(Path(task.root) / "runs" / "untempered" / "steps.jsonl")]
+    (step,) = steps_log(task, "untempered")
     assert step["train/sampler_logprob_abs_diff"] > 0.05

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from alignment import train_rl
 from alignment.checkpoint import has_training_state, recover_checkpoint, save_model_atomically
 from alignment.errors import UserError
-from conftest import kill_train_rl_after_saved_state, make_tiny_task, run_train_rl
+from conftest import kill_train_rl_after_saved_state, make_tiny_task, run_train_rl, steps_log, train_rl_flags
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,17 +75,7 @@ def pipeline(tmp_path_factory):
 
 
 def flags(pipeline, name, *extra):
-    return [
-        "--sft_checkpoint_path", str(pipeline.sft), "--checkpoint_path", str(pipeline.root / name / "rl"),
-        "--data_dir", str(pipeline.data), "--log_dir", str(pipeline.root / "runs"), "--run_name", name,
-        "--layout", "auto", "--rollout_backend", "hf", "--rollout_batch_size", "4", "--group_size", "4",
-        "--train_mini_batch_size", "8", "--sampling_max_tokens", "16", "--eval_max_tokens", "16", "--eval_num_examples", "4",
-        "--evaluate_freq", "0", "--learning_rate", "1e-3", "--kl_coef", "0.05", "--max_steps", "4", *extra,
-    ]
-
-
-def steps_log(pipeline, name):
-    return [json.loads(line) for line in open(pipeline.root / "runs" / name / "steps.jsonl")]
+    return train_rl_flags(pipeline, name, "--max_steps", "4", *extra)
 
 
 def test_sigkill_then_resume_matches_an_uninterrupted_run(pipeline):

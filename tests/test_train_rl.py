@@ -14,7 +14,7 @@ from alignment.flops import update_flops
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.policy_update import score_with, sequence_lengths, update_policy
 from alignment.sft_helpers import tokenize_rollouts
-from conftest import make_tiny_task, update_settings
+from conftest import make_tiny_task, train_rl_flags, update_settings
 
 REQUIRED_TAGS = {
     "train/reward", "train/format_reward", "train/answer_reward", "train/loss", "train/grad_norm", "train/entropy",
@@ -29,18 +29,11 @@ def pipeline(tmp_path_factory):
 
 
 def rl_flags(pipeline, name, *extra):
-    return [
-        "--sft_checkpoint_path", str(pipeline.sft), "--checkpoint_path", str(pipeline.root / name / "rl"), "--tmp_checkpoint_path", str(pipeline.root / name / "rl_tmp"),
-        "--data_dir", str(pipeline.data), "--log_dir", str(pipeline.root / "runs"), "--run_name", name,
-        "--layout", "auto", "--rollout_batch_size", "4", "--group_size", "4", "--train_mini_batch_size", "4",
-        "--sampling_max_tokens", "24", "--eval_max_tokens", "24", "--eval_num_examples", "8",
-        "--max_steps", "2", "--evaluate_freq", "2", "--learning_rate", "1e-3", "--vllm_kv_cache_gb", "0.25",
-        # the random model never answers correctly, so rewards carry no signal; a KL term
-        # keeps the update running (zero-signal batches are skipped otherwise)
-        "--kl_coef", "0.01",
-        "--peak_tflops", "0.001",  # a CPU has no datasheet peak: give one, so perf/mfu is logged
-        *extra,
-    ]
+    return train_rl_flags(pipeline, name, "--tmp_checkpoint_path", str(pipeline.root / name / "rl_tmp"), "--train_mini_batch_size", "4",
+                          "--sampling_max_tokens", "24", "--eval_max_tokens", "24", "--eval_num_examples", "8", "--max_steps", "2",
+                          "--evaluate_freq", "2", "--vllm_kv_cache_gb", "0.25", "--kl_coef", "0.01",
+                          "--peak_tflops", "0.001",  # a CPU has no datasheet peak: give one, so perf/mfu is logged
+                          *extra)
 
 
 def scalar_tags(run_dir) -> dict[str, list]:
@@ -90,7 +83,8 @@ def test_fresh_eval_engine_runs_in_a_child_process(pipeline):
     train_rl.main(rl_flags(pipeline, name, "--rollout_backend", "vllm", "--eval_engine", "fresh", "--max_steps", "2"))
     eval_dir = pipeline.root / "runs" / name / "eval_step_2"
     assert json.loads((eval_dir / "metrics.json").read_text())["num_examples"] == 8
-    assert (pipeline.root / name / "rl").is_dir() and weights_digest(pipeline.root / name / "rl")
+    # the fresh engine evaluated the policy saved at --tmp_checkpoint_path: step 2's, the final checkpoint's weights
+    assert weights_digest(pipeline.root / name / "rl_tmp") == weights_digest(pipeline.root / name / "rl")
 
 
 def test_one_step_loss_equals_hand_computation(pipeline):
