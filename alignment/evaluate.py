@@ -100,8 +100,8 @@ def evaluate_in_subprocess(model_path, args, output_dir, device: str) -> dict:
         command += ["--num_examples", str(args.eval_num_examples)]
     if args.vllm_gpu_memory_utilization:
         command += ["--vllm_gpu_memory_utilization", str(args.vllm_gpu_memory_utilization)]
-    if args.vllm_enforce_eager:
-        command.append("--vllm_enforce_eager")
+    if args.vllm_enforce_eager is not None:
+        command.append("--vllm_enforce_eager" if args.vllm_enforce_eager else "--no-vllm_enforce_eager")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(command, cwd=repo_root, env=env)
     if result.returncode:

@@ -307,7 +307,7 @@ class VllmEngine:
     """
 
     def __init__(self, model_path, device: str, dtype: str, seed: int, gpu_memory_utilization: float | None = None, kv_cache_gb: float = 1.0,
-                 enforce_eager: bool = False, max_model_len: int | None = None, shares_gpu: bool = False, engine_process: bool = False):
+                 enforce_eager: bool | None = None, max_model_len: int | None = None, shares_gpu: bool = False, engine_process: bool = False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
         if engine_process:  # collective_rpc sends our load function to the engine core by pickle
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -316,6 +316,8 @@ class VllmEngine:
         except ImportError as error:
             raise UserError(f"vLLM is not importable ({error}); install it (see README) or pass --rollout_backend hf / --backend hf") from None
         under_torchrun = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        if enforce_eager is None:  # eager on a CPU: compiling there costs seconds at start-up and gains nothing measurable
+            enforce_eager = device == "cpu"
         kwargs = {"model": str(model_path), "dtype": dtype, "seed": seed, "enforce_eager": enforce_eager, "max_model_len": max_model_len,
                   # returned log-probs are those of the distribution sampled from (after
                   # penalties, temperature, top_p), not the raw model's

