@@ -13,7 +13,8 @@ from pathlib import Path
 
 from alignment.errors import UserError
 
-LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
+LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo", "cispo")
+RATIO_LOSSES = ("grpo_clip", "gspo", "cispo")  # alignment.grpo.RATIO_LOSSES (not imported: args.py loads no torch)
 DEFAULT_MODEL = "Qwen/Qwen2.5-Math-1.5B"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -131,21 +132,37 @@ def build_rl_parser() -> argparse.ArgumentParser:
                               "trains, so a batch may come from weights N updates old (1 = one step off policy); needs --rollout_sync_every 1 and one process")
     rollout.add_argument("--tis_cap", type=_positive_float, default=2.0,
                          help="with --rollout_staleness: per-token importance weight min(exp(trainer - sampler log-prob), cap) on the policy gradient "
-                              "(truncated importance sampling); grpo_clip takes its ratio against the sampler's log-probs instead")
+                              "(truncated importance sampling); grpo_clip, gspo and cispo take their ratio against the sampler's log-probs instead; "
+                              "the c of --mismatch_correction's [1/c, c]")
+    rollout.add_argument("--mismatch_correction", choices=["tis", "token_mask", "sequence_tis", "sequence_mask"], default="tis",
+                         help="with --rollout_staleness, how the sampler/trainer ratio rho corrects the loss (Yao et al. 2025; verl rollout_corr): "
+                              "tis = min(rho, --tis_cap) per token (default, today's); token_mask = rho per token, 0 outside [1/c, c] (IcePop); "
+                              "sequence_tis / sequence_mask = the same with the geometric mean of the response's token ratios. The ratio losses "
+                              "(grpo_clip, gspo, cispo) have rho in their ratio: they take the masks only")
     rollout.add_argument("--rollout_tokens", choices=["ids", "text"], default="ids", help="ids: train on the token ids the sampler produced; text: re-tokenise prompt + response text as the seed did (can differ from what was sampled)")
     rollout.add_argument("--group_size", type=_positive_int, default=8, help="responses sampled per prompt; no_baseline forces 1 (seed)")
     rollout.add_argument("--rollout_batch_size", type=_positive_int, default=32, help="prompts per rollout batch (the DataLoader batch size); rollouts = this x group_size")
     _add_sampling(rollout, "sampling_", temperature=1.0, min_tokens=4, max_tokens=1024, seed_note=" (seed: args.sampling_temperature)")
     _add_generation(rollout)
 
+    _add_rl_loss(parser)
+    _add_rl_objective_variants(parser)
+    _add_rl_evaluation_and_logging(parser)
+    return parser
+
+
+def _add_rl_loss(parser) -> None:
     loss = parser.add_argument_group("loss and optimisation")
-    loss.add_argument("--loss_type", choices=LOSS_TYPES, default="grpo_clip", help="no_baseline: -reward*logp; reinforce_with_baseline: -advantage*logp; grpo_clip: PPO-style clipped ratio (seed's three)")
+    loss.add_argument("--loss_type", choices=LOSS_TYPES, default="grpo_clip",
+                      help="no_baseline: -reward*logp; reinforce_with_baseline: -advantage*logp; grpo_clip: PPO-style clipped ratio (seed's three); "
+                           "gspo: one length-normalised ratio per response, clipped per sequence (Zheng et al. 2025, GSPO; they clip at 3e-4 / 4e-4); "
+                           "cispo: -sg(clip(ratio)) * A * logp, every token keeps its gradient (MiniMax-M1, 2025)")
     loss.add_argument("--use_std_normalization", action=argparse.BooleanOptionalAction, default=True, help="divide group-centred rewards by the group std (GRPO); --no-use_std_normalization is Dr. GRPO's choice")
     loss.add_argument("--advantage_eps", type=_non_negative_float, default=1e-6, help="added to the group std before dividing")
-    loss.add_argument("--cliprange", type=_positive_float, default=0.2, help="grpo_clip: ratio clipped to [1-cliprange, 1+cliprange]")
-    loss.add_argument("--cliprange_high", type=_positive_float, default=None, help="grpo_clip upper clip, 1+cliprange_high (DAPO clip-higher); default = --cliprange")
-    loss.add_argument("--old_policy", choices=["rollout", "reference"], default="rollout", help="log-probs grpo_clip compares against: rollout = the policy that sampled the batch (PPO); reference = the frozen start checkpoint (seed)")
-    loss.add_argument("--kl_coef", type=_non_negative_float, default=0.0, help="weight of the k3 KL penalty to the reference model (GRPO paper uses 0.04; seed: none); KL is logged either way")
+    loss.add_argument("--cliprange", type=_positive_float, default=0.2, help="grpo_clip, gspo, cispo: ratio clipped to [1-cliprange, 1+cliprange]")
+    loss.add_argument("--cliprange_high", type=_positive_float, default=None, help="upper clip of grpo_clip, gspo, cispo: 1+cliprange_high (DAPO clip-higher); default = --cliprange")
+    loss.add_argument("--old_policy", choices=["rollout", "reference"], default="rollout", help="log-probs grpo_clip, gspo and cispo compare against: rollout = the policy that sampled the batch (PPO); reference = the frozen start checkpoint (seed)")
+    loss.add_argument("--kl_coef", type=_non_negative_float, default=0.0, help="weight of the KL penalty to the reference model (--kl_estimator, --kl_in; GRPO paper uses 0.04; seed: none); KL is logged either way")
     loss.add_argument("--log_reference_kl", action=argparse.BooleanOptionalAction, default=True, help="run the frozen reference every step to log train/kl_ref even when nothing else needs it; --no-log_reference_kl skips loading the reference at all (faster, less memory)")
     loss.add_argument("--length_normalization", choices=["mean", "constant"], default="mean", help="mean: per-sequence mean over response tokens (seed, GRPO); constant: sum / --length_normalization_constant (Dr. GRPO, no length bias)")
     loss.add_argument("--length_normalization_constant", type=_positive_float, default=None, help="divisor for --length_normalization constant; default --sampling_max_tokens")
@@ -182,12 +199,87 @@ def build_rl_parser() -> argparse.ArgumentParser:
                            "the same rows, loss and gradients with no padding computed; needs the fused log-prob path (--logprob_chunk_size > 0, not FSDP). "
                            "Default: on with --microbatch_tokens on a GPU that has the kernel (the fastest update measured there), otherwise off")
 
+
+def _add_rl_objective_variants(parser) -> None:
+    objective = parser.add_argument_group("objective variants (all off by default, which reproduces the run without them)")
+    objective.add_argument("--entropy_coef", type=_non_negative_float, default=0.0,
+                           help="entropy bonus: loss -= coef x mean token entropy (TRL, verl, OpenRLHF); > 0 scores the policy through the full-vocabulary "
+                                "log-softmax (the fused path's entropy has no gradient), the memory of --logprob_chunk_size 0; 0 = no bonus (seed)")
+    objective.add_argument("--kl_estimator", choices=["k1", "k2", "k3"], default="k3",
+                           help="estimator of --kl_coef's KL (Schulman, 'Approximating KL divergence'), r = log ref - log pi: k1 = -r, k2 = r^2 / 2, "
+                                "k3 = exp(r) - r - 1 (GRPO paper; default, today's); train/kl_ref logs k3 whichever")
+    objective.add_argument("--kl_in", choices=["loss", "reward"], default="loss",
+                           help="where --kl_coef's KL goes: loss = per token in the loss (GRPO paper; default, today's); reward = each response's summed KL "
+                                "taken off its reward before the group normalisation (verl's use_kl_in_reward; needs the reference and pre-update "
+                                "policy log-probs before the advantages)")
+    objective.add_argument("--dynamic_sampling", action=argparse.BooleanOptionalAction, default=False,
+                           help="DAPO's dynamic sampling (Yu et al. 2025): drop groups whose rewards all tie and refill the batch to its size from groups of "
+                                "extra prompts (train/dynamic_sampling_rounds); off = train on the batch as sampled (seed)")
+    objective.add_argument("--max_sampling_rounds", type=_positive_int, default=3,
+                           help="--dynamic_sampling: at most this many extra generation rounds per step; still short, tied groups fill the batch")
+    objective.add_argument("--overlong", choices=["none", "mask", "penalty"], default="none",
+                           help="responses truncated at --sampling_max_tokens (no </answer>, no EOS) (DAPO, Yu et al. 2025): mask = they carry no loss "
+                                "(overlong filtering); penalty = DAPO's soft overlong punishment added to every reward: 0 up to the limit minus "
+                                "--overlong_buffer tokens, then linearly down to -1 at the limit; none = no special case (seed)")
+    objective.add_argument("--overlong_buffer", type=_non_negative_int, default=0,
+                           help="--overlong penalty: the tokens before --sampling_max_tokens over which it ramps (DAPO: 4096 of 20480)")
+
+
+def add_pass_at_k_flags(parser, prefix: str, temperature: float | None, temperature_note: str) -> None:
+    """pass@k flags, shared by train_rl's periodic evaluation (`eval_`) and `python -m alignment.evaluate` ('')."""
+    parser.add_argument(f"--{prefix}samples", type=_non_negative_int, default=0,
+                        help="pass@k: also sample N responses per problem and log pass@K (Chen et al. 2021's unbiased estimator) beside the greedy "
+                             "accuracy; 0 = off (the seed's greedy accuracy only)")
+    parser.add_argument(f"--{prefix}pass_k", type=_positive_int, default=1, help=f"the k of pass@k, at most --{prefix}samples")
+    parser.add_argument(f"--{prefix}samples_temperature", type=_positive_float, default=temperature, help=f"temperature of the pass@k samples; {temperature_note}")
+
+
+def check_pass_at_k(args, prefix: str) -> None:
+    samples, k = getattr(args, f"{prefix}samples"), getattr(args, f"{prefix}pass_k")
+    if k > 1 and not samples:
+        raise UserError(f"--{prefix}pass_k {k} needs --{prefix}samples N >= {k}: pass@k is estimated from N samples per problem")
+    if k > samples > 0:
+        raise UserError(f"--{prefix}pass_k {k} exceeds --{prefix}samples {samples}: pass@k draws k of the N samples")
+    if samples and not getattr(args, f"{prefix}samples_temperature"):
+        raise UserError(f"--{prefix}samples {samples} at temperature 0 would repeat the greedy response; pass --{prefix}samples_temperature > 0")
+
+
+def _check_objective_variants(args) -> None:
+    """The combinations of the objective-variant flags that cannot work, each one line naming a flag."""
+    if args.loss_type == "gspo" and args.length_normalization != "mean":
+        raise UserError("--loss_type gspo averages one ratio per response over its tokens: it needs --length_normalization mean")
+    if args.dynamic_sampling and args.rollout_staleness:
+        raise UserError(f"--dynamic_sampling samples extra rounds in step with the policy: it does not combine with --rollout_staleness {args.rollout_staleness}")
+    if args.dynamic_sampling and args.loss_type == "no_baseline":
+        raise UserError("--dynamic_sampling drops groups whose rewards all tie, and no_baseline's groups of one always do; use another --loss_type")
+    if args.overlong == "penalty" and not 0 < args.overlong_buffer <= args.sampling_max_tokens:
+        raise UserError(f"--overlong penalty needs --overlong_buffer in [1, --sampling_max_tokens {args.sampling_max_tokens}] "
+                        f"(got {args.overlong_buffer}; DAPO: a fifth)")
+    if args.overlong_buffer and args.overlong != "penalty":
+        raise UserError(f"--overlong_buffer {args.overlong_buffer} only shapes --overlong penalty (got --overlong {args.overlong})")
+    for flag, value, default in (("kl_in", args.kl_in, "loss"), ("kl_estimator", args.kl_estimator, "k3")):
+        if value != default and not args.kl_coef:
+            raise UserError(f"--{flag} {value} shapes the KL penalty: it needs --kl_coef > 0")
+    if args.mismatch_correction != "tis" and not args.rollout_staleness:
+        raise UserError(f"--mismatch_correction {args.mismatch_correction} corrects rollouts sampled ahead: it needs --rollout_staleness >= 1")
+    if args.mismatch_correction.endswith("mask") and args.tis_cap <= 1:
+        raise UserError(f"--mismatch_correction {args.mismatch_correction} keeps ratios in [1/c, c]: it needs --tis_cap c > 1 (got {args.tis_cap})")
+    if args.mismatch_correction == "sequence_tis" and args.loss_type in RATIO_LOSSES:
+        raise UserError(f"--mismatch_correction sequence_tis reweights the REINFORCE losses; --loss_type {args.loss_type} has the ratio "
+                        "already: use token_mask or sequence_mask")
+    if args.eval_samples_temperature is None:
+        args.eval_samples_temperature = args.sampling_temperature
+    check_pass_at_k(args, "eval_")
+
+
+def _add_rl_evaluation_and_logging(parser) -> None:
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--evaluate_freq", type=_non_negative_int, default=10, help="evaluate every N rollout steps (0 = only at the end)")
     evaluation.add_argument("--eval_engine", choices=["sampler", "fresh"], default="sampler", help="sampler: sync weights into the rollout engine and evaluate there; fresh: save to --tmp_checkpoint_path and start a new vLLM on --eval_device (seed)")
     evaluation.add_argument("--eval_split", choices=["train", "test"], default="test", help="split used for evaluation")
     evaluation.add_argument("--eval_num_examples", type=_positive_int, default=None, help="evaluate on the first N examples (default: the whole split)")
     _add_sampling(evaluation, "eval_", temperature=0.0, min_tokens=0, max_tokens=1024, seed_note=" (default greedy, so eval curves are not sampling noise)")
+    add_pass_at_k_flags(evaluation, "eval_", temperature=None, temperature_note="default --sampling_temperature, the distribution RL trains")
 
     reliability = parser.add_argument_group("logging and reliability")
     reliability.add_argument("--log_every", type=_positive_int, default=1, help="console line every N steps")
@@ -200,7 +292,6 @@ def build_rl_parser() -> argparse.ArgumentParser:
     reliability.add_argument("--skip_zero_signal", action=argparse.BooleanOptionalAction, default=True,
                              help="skip the update when every group's rewards are equal (zero gradient without KL); --no-skip_zero_signal runs it anyway, as the seed and TRL do (benchmarks time it)")
     reliability.add_argument("--max_skipped_steps", type=_positive_int, default=3, help="stop after this many optimizer steps in a row skipped for a non-finite loss or gradient")
-    return parser
 
 
 def parse_rl_args(argv=None) -> argparse.Namespace:
@@ -241,8 +332,8 @@ def validate_rl_args(args) -> None:
         raise UserError(f"--sampling_min_tokens {args.sampling_min_tokens} exceeds --sampling_max_tokens {args.sampling_max_tokens}")
     if args.eval_min_tokens > args.eval_max_tokens:
         raise UserError(f"--eval_min_tokens {args.eval_min_tokens} exceeds --eval_max_tokens {args.eval_max_tokens}")
-    if args.epochs_per_rollout_batch > 1 and args.loss_type != "grpo_clip":
-        print(f"note: --epochs_per_rollout_batch {args.epochs_per_rollout_batch} with {args.loss_type} reuses stale rollouts without importance correction; grpo_clip corrects for it")
+    if args.epochs_per_rollout_batch > 1 and args.loss_type not in RATIO_LOSSES:
+        print(f"note: --epochs_per_rollout_batch {args.epochs_per_rollout_batch} with {args.loss_type} reuses stale rollouts without importance correction; grpo_clip, gspo and cispo correct for it")
     if args.rollout_staleness and args.rollout_sync_every != 1:
         raise UserError(f"--rollout_staleness {args.rollout_staleness} sends the weights after every update: it needs --rollout_sync_every 1 (got {args.rollout_sync_every})")
     if args.pack_sequences and (args.logprob_chunk_size == 0 or args.policy_parallel == "fsdp"):
@@ -255,6 +346,7 @@ def validate_rl_args(args) -> None:
         raise UserError("--pack_sequences does not combine with --gradient_checkpointing yet; drop one of them")
     if args.rollout_staleness and args.rollout_tokens != "ids":
         raise UserError("--rollout_staleness corrects with the sampler's log-probs of its token ids: it needs --rollout_tokens ids")
+    _check_objective_variants(args)
     if args.state_dir is None:
         args.state_dir = str(Path(args.checkpoint_path)) + ".state"
     _check_data_dir(args.data_dir)
@@ -296,7 +388,8 @@ RUN_DEFINING_FLAGS = (
     "kl_coef", "length_normalization", "length_normalization_constant", "train_batch_size", "epochs_per_rollout_batch",
     "sampling_temperature", "sampling_top_p", "sampling_min_tokens", "sampling_max_tokens", "repetition_penalty",
     "rollout_tokens", "rollout_sync_every", "scoring_temperature", "dtype", "fp32_master_weights", "weight_decay",
-    "adam_betas", "max_grad_norm", "rollout_staleness", "tis_cap",
+    "adam_betas", "max_grad_norm", "rollout_staleness", "tis_cap", "mismatch_correction", "entropy_coef", "kl_estimator", "kl_in",
+    "dynamic_sampling", "max_sampling_rounds", "overlong", "overlong_buffer",
 )
 _NOT_RECORDED = ("resume", "derived_flags")
 _AUTO_FLAGS = ("torch_compile", "pack_sequences")  # None until resolve_speed_flags knows the device
@@ -410,6 +503,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto = bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     _add_sampling(parser, "", temperature=0.0, min_tokens=0, max_tokens=1024, seed_note=" (default greedy: deterministic, comparable across checkpoints)")
+    add_pass_at_k_flags(parser, "", temperature=1.0, temperature_note="the greedy default of --temperature would repeat one response")
     _add_generation(parser)
     return parser
 
@@ -418,6 +512,7 @@ def parse_eval_args(argv=None) -> argparse.Namespace:
     args = build_eval_parser().parse_args(argv)
     if args.min_tokens > args.max_tokens:
         raise UserError(f"--min_tokens {args.min_tokens} exceeds --max_tokens {args.max_tokens}")
+    check_pass_at_k(args, "")
     _check_data_dir(args.data_dir)
     return args
 

@@ -1,20 +1,24 @@
 """Batch evaluation: generate on a GSM8K split, grade with the r1_zero reward.
 
     python -m alignment.evaluate --model_path checkpoints/rl [--split test] [--num_examples N]
-        [--output_dir D] [--backend vllm|hf]
+        [--output_dir D] [--backend vllm|hf] [--samples N --pass_k K]
 
 writes `metrics.json` and `samples.jsonl` (one line per example: prompt, response,
 ground truth, the three rewards) and prints a table. Defaults are greedy decoding
 (temperature 0) with at most 1024 new tokens on the whole test split, so numbers
-are deterministic and comparable across checkpoints. `train_sft` and `train_rl`
-call `evaluate_math` with their own engines.
+are deterministic and comparable across checkpoints. `--samples N` adds pass@K
+(`--pass_k`) from N samples per problem at `--samples_temperature` (Chen et al.
+2021's unbiased estimator, `pass_at_k`); the greedy accuracy stays the headline.
+`train_sft` and `train_rl` call `evaluate_math` with their own engines.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from alignment.args import check_checkpoint, parse_eval_args
@@ -64,6 +68,44 @@ def summarize_samples(samples: list[dict], seconds: float) -> dict:
     }
 
 
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k of one problem from n samples, c of them correct (Chen et al. 2021,
+    "Evaluating Large Language Models Trained on Code", eq. 1): 1 - C(n - c, k) / C(n, k), the
+    chance that k samples drawn from the n without replacement hold a correct one; 1 when
+    n - c < k. Computed as 1 - prod_{i = n-c+1}^{n} (1 - k / i), their numerically stable form."""
+    if not 0 < k <= num_samples or not 0 <= num_correct <= num_samples:
+        raise ValueError(f"pass@k needs 0 < k <= n and 0 <= c <= n (got n={num_samples}, c={num_correct}, k={k})")
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(num_samples - num_correct + 1, num_samples + 1))
+
+
+def correct_counts(llm, reward_fn, prompts: list[str], ground_truths: list[str], sampling: SamplingSettings, num_samples: int) -> list[int]:
+    """How many of `num_samples` responses per prompt earn reward 1 (formatted and right, what
+    avg_all_rewards counts); the prompts repeated, one `generate` call."""
+    generations = llm.generate([prompt for prompt in prompts for _ in range(num_samples)], sampling)
+    rewards = [reward_fn(generation.text, truth)["reward"] for generation, truth in zip(generations, [t for t in ground_truths for _ in range(num_samples)], strict=True)]
+    return [sum(reward >= 1.0 for reward in rewards[start : start + num_samples]) for start in range(0, len(rewards), num_samples)]
+
+
+def add_pass_at_k(metrics: dict, llm, prompts: list[str], ground_truths: list[str], args, prefix: str, gather=list) -> dict:
+    """`metrics` plus `pass@K` (the mean over problems) and `sampled_accuracy` (pass@1 of the
+    samples), from --{prefix}samples samples per problem at --{prefix}samples_temperature and
+    otherwise the evaluation's sampling settings; unchanged when --{prefix}samples is 0.
+    `gather` merges every rank's per-problem counts (train_rl under torchrun)."""
+    num_samples = getattr(args, f"{prefix}samples", 0)  # callers' hand-made args may predate pass@k
+    if not num_samples:
+        return metrics
+    k = getattr(args, f"{prefix}pass_k")
+    started = time.perf_counter()
+    sampling = replace(SamplingSettings.from_args(args, prefix), temperature=getattr(args, f"{prefix}samples_temperature"))
+    counts = gather(correct_counts(llm, r1_zero_reward_fn, prompts, ground_truths, sampling, num_samples) if prompts else [])
+    problems = max(len(counts), 1)
+    metrics.update({f"pass@{k}": sum(pass_at_k(num_samples, c, k) for c in counts) / problems, "sampled_accuracy": sum(counts) / (problems * num_samples),
+                    "pass_at_k_samples": num_samples, "pass_at_k_seconds": time.perf_counter() - started})
+    return metrics
+
+
 def write_jsonl(path, rows) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,6 +140,8 @@ def evaluate_in_subprocess(model_path, args, output_dir, device: str) -> dict:
     ]
     if args.eval_num_examples:
         command += ["--num_examples", str(args.eval_num_examples)]
+    if getattr(args, "eval_samples", 0):
+        command += ["--samples", str(args.eval_samples), "--pass_k", str(args.eval_pass_k), "--samples_temperature", str(args.eval_samples_temperature)]
     if args.vllm_gpu_memory_utilization:
         command += ["--vllm_gpu_memory_utilization", str(args.vllm_gpu_memory_utilization)]
     if args.vllm_enforce_eager is not None:
@@ -112,6 +156,33 @@ def evaluate_in_subprocess(model_path, args, output_dir, device: str) -> dict:
     return metrics
 
 
+def evaluate_checkpoint(args) -> dict:
+    """train_rl's rule from the seed: an existing RL checkpoint (--checkpoint_path) is evaluated,
+    never retrained; with train_rl's eval flags (pass@k with --eval_samples), written beside its logs."""
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+
+    from alignment.devices import resolve_role_devices
+
+    print(f"{args.checkpoint_path} already holds weights: evaluating it (no training)")
+    device = args.eval_device if args.layout == "explicit" else resolve_role_devices(args, 1)["eval"]
+    engine = build_engine(args.rollout_backend, args.checkpoint_path, device, resolve_dtype(args.dtype, device), args.seed, args)
+    eval_set = Gsm8kDataset(args.eval_split, args.data_dir, limit=args.eval_num_examples)
+    torch.manual_seed(args.seed)
+    metrics = evaluate_math(engine, r1_zero_reward_fn, eval_set.prompts, eval_set.ground_truths, SamplingSettings.from_args(args, "eval_"))
+    metrics = add_pass_at_k(metrics, engine, eval_set.prompts, eval_set.ground_truths, args, "eval_")
+    engine.close()
+    run_dir = Path(args.log_dir) / args.run_name
+    write_jsonl(run_dir / "eval_only_samples.jsonl", metrics.pop("samples"))
+    write_json(run_dir / "eval_only_metrics.json", {**metrics, "checkpoint_path": str(args.checkpoint_path)})
+    writer = SummaryWriter(str(run_dir))
+    for key in ("avg_all_rewards", "format_reward", "answer_reward", "mean_response_tokens", *(k for k in metrics if k.startswith("pass@"))):
+        writer.add_scalar(f"eval_only/{key}", metrics[key], 0)
+    writer.close()
+    print(format_metrics_table(metrics, f"{args.checkpoint_path} on {args.eval_split}"))
+    return metrics
+
+
 def format_metrics_table(metrics: dict, title: str) -> str:
     rows = [
         ("examples", f"{metrics['num_examples']}"),
@@ -121,6 +192,7 @@ def format_metrics_table(metrics: dict, title: str) -> str:
         ("mean response tokens", f"{metrics['mean_response_tokens']:.1f}"),
         ("seconds", f"{metrics['seconds']:.1f}"),
     ]
+    rows[2:2] = [(f"{key} ({metrics['pass_at_k_samples']} samples)", f"{value:.4f}") for key, value in metrics.items() if key.startswith("pass@")]
     width = max(len(name) for name, _ in rows)
     return "\n".join([title] + [f"  {name:<{width}}  {value}" for name, value in rows])
 
@@ -141,6 +213,7 @@ def main(argv=None) -> dict:
 
     torch.manual_seed(args.seed)
     metrics = evaluate_math(engine, r1_zero_reward_fn, dataset.prompts, dataset.ground_truths, SamplingSettings.from_args(args, ""), samples_path=output_dir / "samples.jsonl")
+    metrics = add_pass_at_k(metrics, engine, dataset.prompts, dataset.ground_truths, args, "")
     engine.close()
     metrics.pop("samples")
     metrics.update(model_path=str(args.model_path), split=args.split, backend=args.backend, temperature=args.temperature, max_tokens=args.max_tokens)

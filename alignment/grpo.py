@@ -8,7 +8,13 @@ whose defaults reproduce it exactly:
 - `length_normalization="constant"`: Dr. GRPO's sum / constant instead of the
   per-sequence mean, which removes the bias towards long wrong answers;
 - `cliprange_high`: DAPO's asymmetric "clip-higher";
-- `kl_coef` with `ref_log_probs`: the GRPO paper's KL penalty, k3 estimator.
+- `kl_coef` with `ref_log_probs`: the GRPO paper's KL penalty, k3 estimator
+  (`kl_estimator` k1 / k2: Schulman's others); `sequence_kl` puts it in the reward;
+- `loss_type` "gspo" (sequence-level ratio, GSPO) and "cispo" (clipped, detached
+  importance weight, MiniMax-M1);
+- `entropy_coef` with `token_entropy`: an entropy bonus (TRL, verl, OpenRLHF);
+- `overlong_reward`: DAPO's soft length penalty; `mismatch_weights`: the sampler/
+  trainer mismatch corrections beyond token TIS (Yao et al. 2025, verl rollout_corr).
 
 Shapes: B sequences, T token positions, N = n_prompts * group_size rollouts.
 """
@@ -17,7 +23,9 @@ from typing import Callable, Literal
 
 import torch
 
-LossType = Literal["no_baseline", "reinforce_with_baseline", "grpo_clip"]
+LossType = Literal["no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo", "cispo"]
+RATIO_LOSSES = ("grpo_clip", "gspo", "cispo")  # the losses that take an importance ratio against an old policy
+MISMATCH_CORRECTIONS = ("tis", "token_mask", "sequence_tis", "sequence_mask")
 
 
 def normalize_group_rewards(
@@ -123,15 +131,151 @@ def compute_grpo_clip_loss(
     return loss, {"clipped": clipped < unclipped, "ratio": ratio.detach()}
 
 
-def compute_kl_penalty(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(policy || reference): `exp(r) - r - 1`, r = ref - logp.
+def compute_gspo_loss(
+    advantages: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float,
+    cliprange_high: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): one importance ratio per response.
 
-    Non-negative and unbiased under samples from the policy, with lower variance
-    than `-r` (Schulman's "Approximating KL divergence"; used by the GRPO paper).
-    (B, T) in, (B, T) out.
+    s_i = exp((1/|y_i|) sum_t (logp_it - old_it)) over the response tokens (the length-
+    normalised sequence likelihood ratio), clipped per sequence:
+    loss_i = -min(s_i * A_i, clip(s_i, 1 - lo, 1 + hi) * A_i), lo = `cliprange`, hi = `cliprange_high`.
+
+    Returned per token in the paper's GSPO-token form (as verl's gspo loss computes it):
+    s_it = sg(s_i) * exp(logp_it - sg(logp_it)) equals s_i in value at every position,
+    so the per-sequence mean over response tokens (--length_normalization mean) is
+    loss_i, and its gradient is GSPO's: -A_i * s_i * (1/|y_i|) sum_t grad logp_it, zero
+    for a clipped sequence. A response with no token has s_i = 1 (no 0/0).
+
+    Args:
+        advantages: (B, 1); policy_log_probs, old_log_probs: (B, T); response_mask: (B, T).
+    Returns:
+        loss (B, T), metadata: `clipped` (B, T) (every token of a clipped sequence),
+        `ratio` (B, T) = s_i broadcast, `sequence_ratio` (B,).
+    """
+    high = cliprange if cliprange_high is None else cliprange_high
+    mask = response_mask.bool()
+    # where, not a product: a NaN or garbage old log-prob off the response never leaks in
+    log_ratio = torch.where(mask, policy_log_probs.detach() - old_log_probs, torch.zeros_like(policy_log_probs))
+    sequence_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)
+    ratio = torch.exp(policy_log_probs - policy_log_probs.detach() + sequence_log_ratio[:, None])
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - cliprange, 1.0 + high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    return loss, {"clipped": clipped < unclipped, "ratio": ratio.detach(), "sequence_ratio": sequence_log_ratio.exp()}
+
+
+def compute_cispo_loss(
+    advantages: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    cliprange: float,
+    cliprange_high: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1 technical report, 2025): clip the importance weight, not the update.
+
+    loss = -sg(clip(ratio, 1 - lo, 1 + hi)) * A * logp, ratio = exp(logp - old): the
+    weight is clipped and detached, so every token keeps its gradient
+    (-clip(ratio) * A), where grpo_clip zeroes the gradient of a clipped token. The
+    report clips the high side only (no lower bound); here lo = `cliprange`.
+
+    Args:
+        advantages: (B, 1); policy_log_probs, old_log_probs: (B, T).
+    Returns:
+        loss (B, T), metadata: `clipped` (B, T), True where the weight was clipped
+        (the gradient still flows), and `ratio` (B, T).
+    """
+    high = cliprange if cliprange_high is None else cliprange_high
+    ratio = torch.exp(policy_log_probs.detach() - old_log_probs)
+    weight = torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
+    return -weight * advantages * policy_log_probs, {"clipped": weight != ratio, "ratio": ratio}
+
+
+def compute_kl_penalty(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy, r = ref - logp.
+
+    Schulman, "Approximating KL divergence" (2020):
+    - k3 (the default; the GRPO paper's): `exp(r) - r - 1`, unbiased and non-negative,
+      lower variance than k1;
+    - k1: `-r`, unbiased, high variance, negative on some tokens;
+    - k2: `r**2 / 2`, biased, low variance.
+    As a loss term their gradients differ: k1's is zero in expectation, k2's is the
+    gradient of KL(policy || reference), k3's that of KL(reference || policy); in the
+    reward (`sequence_kl`) only their values matter. (B, T) in, (B, T) out.
     """
     log_ratio = ref_log_probs - policy_log_probs
-    return torch.exp(log_ratio) - log_ratio - 1.0
+    if estimator == "k3":
+        return torch.exp(log_ratio) - log_ratio - 1.0
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    raise ValueError(f"unknown KL estimator {estimator!r}; use k1, k2 or k3")
+
+
+def sequence_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor, response_mask: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """(N,) per-response sum over response tokens of `compute_kl_penalty`, for KL in the reward.
+
+    --kl_in reward (verl's use_kl_in_reward; the InstructGPT-style penalty):
+    reward_i - kl_coef * sequence_kl_i, taken before the group normalisation. No
+    gradient (the log-probs are fixed before the update); 0 for an empty response.
+    """
+    kl = compute_kl_penalty(policy_log_probs.detach(), ref_log_probs.detach(), estimator)
+    return torch.where(response_mask.bool(), kl, torch.zeros_like(kl)).sum(-1)
+
+
+def overlong_reward(response_lengths: torch.Tensor, max_tokens: int, buffer: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", section 3.4), added to the reward.
+
+    With L = `max_tokens`, B = `buffer` and n the response's token count:
+    0 for n <= L - B; (L - B - n) / B for L - B < n <= L (linear from 0 down to -1
+    at n = L); -1 beyond L. (N,) lengths in, (N,) float rewards in [-1, 0] out.
+    """
+    if not 0 < buffer <= max_tokens:
+        raise ValueError(f"overlong buffer {buffer} must be in [1, {max_tokens}]")
+    excess = response_lengths.float() - (max_tokens - buffer)
+    return -(excess / buffer).clamp(min=0.0, max=1.0)
+
+
+def mismatch_weights(
+    trainer_log_probs: torch.Tensor,
+    sampler_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: str,
+    cap: float,
+    reweight: bool = True,
+) -> torch.Tensor:
+    """(B, T) per-token weights for rollouts the sampler drew from other weights than the trainer's.
+
+    rho_t = exp(trainer - sampler log-prob) per token; rho_seq = exp(mean_t log rho_t)
+    over the response tokens, the geometric mean of its token ratios (1 for an empty
+    response). c = `cap` (--tis_cap). Yao et al. 2025 ("Your efficient RL framework
+    secretly brings you off-policy RL training"; its follow-up on masked IS) and verl's
+    rollout_corr:
+    - tis: min(rho_t, c), truncated IS per token (train_rl's one-step-off default);
+    - token_mask: rho_t * 1[1/c <= rho_t <= c], masked IS per token ("IcePop");
+    - sequence_tis: min(rho_seq, c) on every token of the response;
+    - sequence_mask: rho_seq * 1[1/c <= rho_seq <= c] on every token of the response.
+    `reweight=False` returns only the 0/1 mask of the masking modes: grpo_clip, gspo
+    and cispo already take their ratio against the sampler's log-probs. No gradient.
+    """
+    mask = response_mask.bool()
+    log_ratio = torch.where(mask, trainer_log_probs.detach() - sampler_log_probs, torch.zeros_like(trainer_log_probs))
+    if mode.startswith("sequence"):
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
+    if mode in ("tis", "sequence_tis"):
+        if not reweight:
+            raise ValueError(f"mismatch correction {mode!r} is a reweighting; the ratio losses need a masking mode")
+        return ratio.clamp(max=cap)
+    if mode not in ("token_mask", "sequence_mask"):
+        raise ValueError(f"unknown mismatch correction {mode!r}; use {', '.join(MISMATCH_CORRECTIONS)}")
+    inside = (ratio >= 1.0 / cap) & (ratio <= cap)
+    return torch.where(inside, ratio if reweight else torch.ones_like(ratio), torch.zeros_like(ratio))
 
 
 def compute_policy_gradient_loss(
@@ -146,16 +290,23 @@ def compute_policy_gradient_loss(
     kl_coef: float = 0.0,
     ref_log_probs: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
+    kl_estimator: str = "k3",
+    response_mask: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    token_entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dispatch to the chosen loss; returns per-token loss (B, T) and metadata.
 
     no_baseline uses `raw_rewards` (B, 1); reinforce_with_baseline uses
-    `advantages` (B, 1); grpo_clip uses `advantages`, `old_log_probs` (B, T) and
-    `cliprange`. `importance_weights` (B, T), when given, multiply the policy-gradient
-    term per token (truncated importance sampling of rollouts drawn by an older
-    policy; no gradient flows through them). With `kl_coef > 0`,
-    `kl_coef * k3(policy, reference)` is added per token (unweighted);
-    metadata["kl"] holds the (detached) per-token KL whenever `ref_log_probs` is given.
+    `advantages` (B, 1); grpo_clip, gspo and cispo use `advantages`, `old_log_probs`
+    (B, T) and `cliprange` (gspo also `response_mask`). `importance_weights` (B, T),
+    when given, multiply the policy-gradient term per token (truncated importance
+    sampling of rollouts drawn by an older policy; no gradient flows through them).
+    With `kl_coef > 0`, `kl_coef * KL(policy, reference)` is added per token
+    (unweighted; `kl_estimator` k1/k2/k3); metadata["kl"] holds the (detached)
+    per-token k3 KL whenever `ref_log_probs` is given. With `entropy_coef > 0`,
+    `entropy_coef * token_entropy` (B, T) is subtracted per token: an entropy bonus
+    (TRL, verl, OpenRLHF), aggregated like the rest of the loss.
     """
     metadata: dict[str, torch.Tensor] = {}
     if loss_type == "no_baseline":
@@ -166,13 +317,19 @@ def compute_policy_gradient_loss(
         if advantages is None:
             raise ValueError("loss_type 'reinforce_with_baseline' needs advantages")
         loss = compute_naive_policy_gradient_loss(advantages, policy_log_probs)
-    elif loss_type == "grpo_clip":
-        missing = [name for name, value in (("advantages", advantages), ("old_log_probs", old_log_probs), ("cliprange", cliprange)) if value is None]
+    elif loss_type in RATIO_LOSSES:
+        needed = (("advantages", advantages), ("old_log_probs", old_log_probs), ("cliprange", cliprange))
+        missing = [name for name, value in needed + ((("response_mask", response_mask),) if loss_type == "gspo" else ()) if value is None]
         if missing:
-            raise ValueError(f"loss_type 'grpo_clip' needs {', '.join(missing)}")
-        loss, metadata = compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange, cliprange_high)
+            raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
+        if loss_type == "grpo_clip":
+            loss, metadata = compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange, cliprange_high)
+        elif loss_type == "gspo":
+            loss, metadata = compute_gspo_loss(advantages, policy_log_probs, old_log_probs, response_mask, cliprange, cliprange_high)
+        else:
+            loss, metadata = compute_cispo_loss(advantages, policy_log_probs, old_log_probs, cliprange, cliprange_high)
     else:
-        raise ValueError(f"unknown loss_type {loss_type!r}; use no_baseline, reinforce_with_baseline or grpo_clip")
+        raise ValueError(f"unknown loss_type {loss_type!r}; use no_baseline, reinforce_with_baseline, grpo_clip, gspo or cispo")
     if importance_weights is not None:
         loss = loss * importance_weights.detach()
     if kl_coef and ref_log_probs is None:
@@ -181,7 +338,12 @@ def compute_policy_gradient_loss(
         kl = compute_kl_penalty(policy_log_probs, ref_log_probs)
         metadata["kl"] = kl.detach()
         if kl_coef:
-            loss = loss + kl_coef * kl
+            loss = loss + kl_coef * (kl if kl_estimator == "k3" else compute_kl_penalty(policy_log_probs, ref_log_probs, kl_estimator))
+    if entropy_coef:
+        if token_entropy is None:
+            raise ValueError("entropy_coef > 0 needs token_entropy")
+        loss = loss - entropy_coef * token_entropy
+        metadata["entropy_bonus"] = entropy_coef * token_entropy.detach()
     return loss, metadata
 
 
@@ -217,6 +379,9 @@ def grpo_microbatch_train_step(
     kl_coef: float = 0.0,
     ref_log_probs: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    token_entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one microbatch, scaled for gradient accumulation, then `backward()`.
 
@@ -228,12 +393,13 @@ def grpo_microbatch_train_step(
 
     Returns:
         the scaled loss (scalar, already back-propagated) and metadata:
-        `clip_fraction`, `kl` (means over response tokens, when available),
-        `loss_unscaled`.
+        `clip_fraction`, `kl`, `entropy_bonus` (means over response tokens, when
+        available), `loss_unscaled`.
     """
     per_token, loss_metadata = compute_policy_gradient_loss(
         policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange,
         cliprange_high=cliprange_high, kl_coef=kl_coef, ref_log_probs=ref_log_probs, importance_weights=importance_weights,
+        kl_estimator=kl_estimator, response_mask=response_mask, entropy_coef=entropy_coef, token_entropy=token_entropy,
     )
     mask = response_mask.to(per_token.dtype)
     if length_normalization == "mean":
@@ -255,4 +421,6 @@ def grpo_microbatch_train_step(
         metadata["ratio_mean"] = (loss_metadata["ratio"] * mask).sum() / token_count
     if "kl" in loss_metadata:
         metadata["kl"] = (loss_metadata["kl"] * mask).sum() / token_count
+    if "entropy_bonus" in loss_metadata:
+        metadata["entropy_bonus"] = (loss_metadata["entropy_bonus"] * mask).sum() / token_count
     return loss.detach(), metadata

@@ -3,7 +3,8 @@
 `update_policy` runs the microbatches of each optimizer step through
 `grpo_microbatch_train_step` (alignment/grpo.py), clips, and steps; `score_with` gives
 the frozen reference's (or the pre-update policy's) per-token log-probs;
-`old_policy_log_probs` says which log-probs grpo_clip's ratio compares against. The
+`old_policy_log_probs` says which log-probs a ratio loss (grpo_clip, gspo, cispo)
+compares against. The
 settings come in one frozen `UpdateSettings`, built once from the flags. Used by
 train_rl and by the benchmarks, which time exactly this code.
 """
@@ -16,7 +17,7 @@ from alignment import distributed, packing
 from alignment.devices import place_model
 from alignment.flops import update_flops
 from alignment.fused_logprobs import use_compiled_chunk_math
-from alignment.grpo import grpo_microbatch_train_step
+from alignment.grpo import RATIO_LOSSES, grpo_microbatch_train_step, mismatch_weights
 from alignment.precision import autocast
 from alignment.rollout import load_hf_model
 from alignment.sft_helpers import get_response_log_probs
@@ -76,9 +77,13 @@ class UpdateSettings:
     length_normalization: str = "mean"
     length_normalization_constant: float = 1.0
     kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in: str = "loss"  # "reward": train_rl took the KL from the rewards, the loss has none
+    entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
     one_step_off: bool = False  # --rollout_staleness > 0: rollouts from an older policy, corrected with the sampler's log-probs
     tis_cap: float = 2.0
+    mismatch_correction: str = "tis"
     seed: int = 0
 
     @classmethod
@@ -102,7 +107,7 @@ class UpdateSettings:
 
 
 def old_policy_log_probs(settings: UpdateSettings, log_probs, ref_log_probs=None, sampler_log_probs=None, stored_old_log_probs=None):
-    """The log-probs grpo_clip's ratio compares the policy against (None for the other losses).
+    """The log-probs the ratio of grpo_clip, gspo and cispo compares the policy against (None for the other losses).
 
     - `--old_policy reference` (the seed): the frozen start checkpoint's, `ref_log_probs`;
     - one step off (--rollout_staleness): the sampler's own, the policy that sampled the batch;
@@ -111,7 +116,7 @@ def old_policy_log_probs(settings: UpdateSettings, log_probs, ref_log_probs=None
     - one optimizer step on fresh rollouts (the default): the policy's own, detached, since
       the policy that sampled the batch is this one (ratio 1, no extra forward).
     """
-    if settings.loss_type != "grpo_clip":
+    if settings.loss_type not in RATIO_LOSSES:
         return None
     if settings.old_policy == "reference":
         return ref_log_probs
@@ -123,10 +128,10 @@ def old_policy_log_probs(settings: UpdateSettings, log_probs, ref_log_probs=None
 
 
 def needs_old_policy_pass(settings: UpdateSettings, total_rollouts: int) -> bool:
-    """Whether grpo_clip needs the pre-update policy scored before the update: more than one
-    optimizer step on the batch, the ratio against the sampling policy, in sync."""
+    """Whether a ratio loss (grpo_clip, gspo, cispo) needs the pre-update policy scored before the
+    update: more than one optimizer step on the batch, the ratio against the sampling policy, in sync."""
     single_step = settings.epochs_per_rollout_batch == 1 and settings.train_batch_size == total_rollouts
-    return settings.loss_type == "grpo_clip" and settings.old_policy == "rollout" and not single_step and not settings.one_step_off
+    return settings.loss_type in RATIO_LOSSES and settings.old_policy == "rollout" and not single_step and not settings.one_step_off
 
 
 @torch.no_grad()
@@ -161,7 +166,8 @@ def update_policy(model, optimizer, scheduler, batch, settings: UpdateSettings, 
 
     `batch` holds (N, T) input_ids / labels / response_mask / ref_log_probs and
     (N,) raw_rewards and advantages for the N rollouts, plus old_log_probs when
-    grpo_clip needs them from a separate pass. Microbatches of
+    a ratio loss needs them from a separate pass, and with --overlong mask (N,)
+    `in_loss` (False: the row's loss is masked out). Microbatches of
     `train_mini_batch_size` rows are accumulated into optimizer steps of
     `train_batch_size`, for `epochs_per_rollout_batch` passes. Rows are
     length-sorted within each optimizer step so microbatches carry little padding
@@ -187,13 +193,14 @@ def update_policy(model, optimizer, scheduler, batch, settings: UpdateSettings, 
     lengths = batch["lengths"]
     totals = empty_totals()
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)  # a new order for every rollout batch
-    mismatch = None  # device-side sums, read once at the end
-    # per-microbatch metrics stay on the device and are read once at the end: a read
-    # (.item()) would stall the host until the GPU drains, every microbatch
-    sums = {key: torch.zeros((), device=main_device) for key in ("loss", "entropy", "clip_fraction", "kl_ref")}
     # rollouts from an older policy (one step off): corrected with the sampler's log-probs
     behaviour = "sampler_log_probs" in batch and settings.one_step_off
-    cap = settings.tis_cap if behaviour else float("inf")
+    # per-microbatch metrics stay on the device and are read once at the end: a read
+    # (.item()) would stall the host until the GPU drains, every microbatch
+    keys = ("loss", "entropy", "clip_fraction", "kl_ref") + (("mismatch_masked",) if behaviour and settings.mismatch_correction != "tis" else ()) + (
+        ("entropy_bonus",) if settings.entropy_coef else ())
+    sums = {key: torch.zeros((), device=main_device) for key in keys}
+    sums["mismatch"] = None  # the sampler/trainer gap: device-side sums, read once at the end
     for epoch in range(settings.epochs_per_rollout_batch):
         order = torch.randperm(n_rollouts, generator=generator).tolist() if settings.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
         for step_rows in _chunks(order, settings.train_batch_size):
@@ -201,44 +208,11 @@ def update_policy(model, optimizer, scheduler, batch, settings: UpdateSettings, 
                 step_rows = sorted(step_rows, key=lambda row: lengths[row])
             finite = torch.ones((), dtype=torch.bool, device=main_device)
             step_microbatches = microbatches(step_rows, lengths, settings.train_mini_batch_size, settings.microbatch_tokens, settings.pack_sequences)
+            first_step = epoch == 0 and totals["optimizer_steps"] + totals["skipped_steps"] == 0
             for index, rows in enumerate(step_microbatches):
                 if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients once per step
                     model.set_requires_gradient_sync(index == len(step_microbatches) - 1)
-                width = max(lengths[row] for row in rows)
-                cpu_mask = batch["response_mask"][rows, :width]
-                input_ids, labels = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels"))
-                mask = cpu_mask.to(main_device)
-                ref = batch["ref_log_probs"][rows, :width].to(main_device) if "ref_log_probs" in batch else None
-                with autocast(main_device, compute_dtype):
-                    out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=settings.logprob_chunk_size,
-                                                 temperature=settings.scoring_temperature, positions=cpu_mask,
-                                                 lengths=[lengths[row] for row in rows] if settings.pack_sequences else None)
-                log_probs = out["log_probs"]
-                sampler = batch["sampler_log_probs"][rows, :width].to(log_probs.device) if "sampler_log_probs" in batch else None
-                if sampler is not None and epoch == 0 and totals["optimizer_steps"] + totals["skipped_steps"] == 0:
-                    mismatch = _add_mismatch(mismatch, log_probs.detach(), sampler, mask, cap)
-                sampled = torch.where(mask.bool(), sampler, log_probs.detach()) if behaviour else None  # finite off the response
-                stored_old = batch["old_log_probs"][rows, :width].to(main_device) if "old_log_probs" in batch else None
-                old = old_policy_log_probs(settings, log_probs, ref, sampled, stored_old)
-                # truncated importance sampling for the other losses: weight min(pi / pi_sampler, cap) per token (no gradient)
-                importance = torch.exp(log_probs.detach() - sampled).clamp(max=settings.tis_cap) if sampled is not None and old is None else None
-                loss, meta = grpo_microbatch_train_step(
-                    log_probs, mask, len(step_rows) / len(rows), settings.loss_type,
-                    raw_rewards=batch["raw_rewards"][rows, None].to(main_device),
-                    advantages=batch["advantages"][rows, None].to(main_device),
-                    old_log_probs=old, cliprange=settings.cliprange, cliprange_high=settings.cliprange_high,
-                    length_normalization=settings.length_normalization, normalize_constant=settings.length_normalization_constant,
-                    kl_coef=settings.kl_coef, ref_log_probs=ref, importance_weights=importance,
-                )
-                finite &= torch.isfinite(loss)
-                token_count = mask.sum().clamp(min=1)
-                sums["loss"] += loss.detach()
-                sums["entropy"] += (out["token_entropy"] * mask).sum() / token_count
-                sums["clip_fraction"] += meta["clip_fraction"] if "clip_fraction" in meta else 0.0
-                sums["kl_ref"] += meta["kl"] if "kl" in meta else float("nan")
-                totals["tokens"] += sum(lengths[row] for row in rows)
-                totals["flops"] += update_flops(model.config, [lengths[row] for row in rows], cpu_mask.sum(-1).tolist())
-                totals["microbatches"] += 1
+                finite &= _train_microbatch(model, batch, rows, len(step_rows), settings, main_device, compute_dtype, behaviour, first_step, sums, totals)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
                 grad_norm = grad_norm.full_tensor()
@@ -251,10 +225,86 @@ def update_policy(model, optimizer, scheduler, batch, settings: UpdateSettings, 
             else:
                 totals["skipped_steps"] += 1  # never write NaN/inf into the weights
             optimizer.zero_grad(set_to_none=True)
-    totals.update({key: totals[key] + value.item() for key, value in sums.items()})
+    mismatch = sums.pop("mismatch")
+    totals.update({key: totals.get(key, 0.0) + value.item() for key, value in sums.items()})
+    if "entropy_bonus" in totals:  # reduce_totals averages the default keys only
+        totals["entropy_bonus"] = ranks.mean(totals["entropy_bonus"])
     if mismatch is not None:
         totals.update(zip(("sampler_abs_diff", "sampler_ratio", "sampler_ratio_max", "sampler_tokens", "tis_capped"), (value.item() for value in mismatch)))
     return totals
+
+
+def _train_microbatch(model, batch, rows, step_size, settings: UpdateSettings, main_device, compute_dtype, behaviour, first_step, sums, totals):
+    """Forward, loss and backward of one microbatch of `rows` (out of `step_size` in its optimizer step).
+
+    Adds its metrics to `sums` (device tensors) and `totals`; returns whether its loss was finite.
+    `behaviour`: one step off, the sampler's log-probs correct the loss (--mismatch_correction).
+    """
+    lengths = batch["lengths"]
+    width = max(lengths[row] for row in rows)
+    cpu_mask = batch["response_mask"][rows, :width]
+    input_ids, labels = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels"))
+    mask = cpu_mask.to(main_device)
+    ref = batch["ref_log_probs"][rows, :width].to(main_device) if "ref_log_probs" in batch else None
+    with autocast(main_device, compute_dtype):
+        if settings.entropy_coef:  # the bonus needs an entropy with a gradient: the full-vocabulary path
+            out = log_probs_and_entropy(model, input_ids, labels, settings.scoring_temperature)
+        else:
+            out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=settings.logprob_chunk_size,
+                                         temperature=settings.scoring_temperature, positions=cpu_mask,
+                                         lengths=[lengths[row] for row in rows] if settings.pack_sequences else None)
+    log_probs = out["log_probs"]
+    sampler = batch["sampler_log_probs"][rows, :width].to(log_probs.device) if "sampler_log_probs" in batch else None
+    if sampler is not None and first_step:
+        sums["mismatch"] = _add_mismatch(sums["mismatch"], log_probs.detach(), sampler, mask, settings.tis_cap if behaviour else float("inf"))
+    sampled = torch.where(mask.bool(), sampler, log_probs.detach()) if behaviour else None  # finite off the response
+    stored_old = batch["old_log_probs"][rows, :width].to(main_device) if "old_log_probs" in batch else None
+    old = old_policy_log_probs(settings, log_probs, ref, sampled, stored_old)
+    # --overlong mask: a truncated response carries no loss (DAPO); entropy and the mismatch stay measured on every response token
+    loss_mask = mask & batch["in_loss"][rows, None].to(main_device) if "in_loss" in batch else mask
+    token_count = mask.sum().clamp(min=1)
+    if sampled is None or settings.mismatch_correction == "tis":
+        # truncated importance sampling for the other losses: weight min(pi / pi_sampler, cap) per token (no gradient)
+        importance = torch.exp(log_probs.detach() - sampled).clamp(max=settings.tis_cap) if sampled is not None and old is None else None
+    else:  # masks (and for the REINFORCE losses weights) from the sampler/trainer ratio; a ratio loss has it in its ratio
+        importance = mismatch_weights(log_probs.detach(), sampled, mask, settings.mismatch_correction, settings.tis_cap, reweight=old is None)
+        sums["mismatch_masked"] += ((importance == 0) & mask.bool()).sum() / token_count
+    entropy = out["token_entropy"]
+    loss, meta = grpo_microbatch_train_step(
+        log_probs, loss_mask, step_size / len(rows), settings.loss_type,
+        raw_rewards=batch["raw_rewards"][rows, None].to(main_device),
+        advantages=batch["advantages"][rows, None].to(main_device),
+        old_log_probs=old, cliprange=settings.cliprange, cliprange_high=settings.cliprange_high,
+        length_normalization=settings.length_normalization, normalize_constant=settings.length_normalization_constant,
+        kl_coef=settings.kl_coef if settings.kl_in == "loss" else 0.0, ref_log_probs=ref, importance_weights=importance,
+        kl_estimator=settings.kl_estimator, entropy_coef=settings.entropy_coef, token_entropy=entropy if settings.entropy_coef else None,
+    )
+    sums["loss"] += loss.detach()
+    sums["entropy"] += ((entropy.detach() if settings.entropy_coef else entropy) * mask).sum() / token_count
+    sums["clip_fraction"] += meta["clip_fraction"] if "clip_fraction" in meta else 0.0
+    sums["kl_ref"] += meta["kl"] if "kl" in meta else float("nan")
+    if settings.entropy_coef:
+        sums["entropy_bonus"] += meta["entropy_bonus"]
+    totals["tokens"] += sum(lengths[row] for row in rows)
+    totals["flops"] += update_flops(model.config, [lengths[row] for row in rows], cpu_mask.sum(-1).tolist())
+    totals["microbatches"] += 1
+    return torch.isfinite(loss)
+
+
+def log_probs_and_entropy(model, input_ids, labels, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """(B, T) log-probs of `labels` and the entropy H_t = -sum_v p_v log p_v of each position's
+    tempered distribution, both with a gradient, through the full-vocabulary log-softmax.
+
+    For --entropy_coef: the fused output layer computes its entropy without a gradient
+    (alignment/fused_logprobs.py), so a bonus on it would change the loss's value and not
+    its gradient. This path holds (B, T, V) fp32 logits, as --logprob_chunk_size 0 does.
+    """
+    logits = model(input_ids=input_ids).logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    return {"log_probs": log_softmax.gather(-1, labels.to(logits.device).unsqueeze(-1)).squeeze(-1),
+            "token_entropy": -(log_softmax.exp() * log_softmax).sum(-1)}
 
 
 def _add_mismatch(sums, trainer, sampler, mask, cap=float("inf")):

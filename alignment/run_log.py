@@ -74,6 +74,10 @@ def step_scalars(args, progress: dict, reward_meta: dict, totals: dict, timings:
         # this process's high-water mark over its GPUs (an in-process vLLM's KV cache included)
         "perf/peak_memory_gib": max((torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())), default=NAN) / 2**30,
     }
+    if "entropy_bonus" in totals:  # --entropy_coef: the bonus taken off the loss, coef x mean entropy of the tokens in the loss
+        scalars["train/entropy_bonus"] = totals["entropy_bonus"] / microbatches
+    if "mismatch_masked" in totals:  # --mismatch_correction *_mask: the share of response tokens whose weight was 0
+        scalars["train/mismatch_masked_fraction"] = totals["mismatch_masked"] / microbatches
     for key in STEP_TIMINGS + ("sampler_generate", "sampler_load"):
         scalars[f"perf/{key}_seconds"] = timings.get(key, NAN)
     return scalars
@@ -121,11 +125,14 @@ class RunLog:
             return
         for key in ("avg_all_rewards", "format_reward", "answer_reward", "mean_response_tokens"):
             self.writer.add_scalar(f"eval/{key}", metrics[key], step)
+        for key in (key for key in metrics if key.startswith("pass@") or key == "sampled_accuracy"):  # --eval_samples
+            self.writer.add_scalar(f"eval/{key}", metrics[key], step)
         shown = metrics["samples"][:shown_samples]
         if shown:
             self.writer.add_text("eval/samples", "\n\n---\n\n".join(
                 f"**reward {s['reward']:.0f}** (truth {s['ground_truth']})\n\n```\n{s['response']}\n```" for s in shown), step)
-        print(f"eval step {step}: accuracy {metrics['avg_all_rewards']:.3f} format {metrics['format_reward']:.3f} "
+        pass_at_k = "".join(f"{key} {value:.3f} " for key, value in metrics.items() if key.startswith("pass@"))
+        print(f"eval step {step}: accuracy {metrics['avg_all_rewards']:.3f} {pass_at_k}format {metrics['format_reward']:.3f} "
               f"response tokens {metrics['mean_response_tokens']:.0f} ({metrics['num_examples']} examples, {metrics['seconds']:.1f}s)", flush=True)
         self._append("evals.jsonl", {"step": step, **{k: v for k, v in metrics.items() if k != "samples"}})
 

@@ -12,12 +12,18 @@ the version it was loaded with and follows the policy: in step (`catch_up`, befo
 rollout, when it lags by --rollout_sync_every versions; 0 = never, the seed's frozen
 sampler), or one step off (`after_update`: the weights queue behind the batches already
 sent, so each batch is sampled by the weights sent before it).
+
+Also here: which prompts a step samples (`rollout_batch`, `batches_ahead`, and with
+--dynamic_sampling `extra_prompts` and `fill_informative_groups`), and which responses
+ran into --sampling_max_tokens (`truncated_responses`, for --overlong).
 """
 
 import torch
 
 from alignment.devices import resolve_dtype
-from alignment.rollout import HfEngine, VllmEngine, load_hf_model
+from alignment.distributed import rank_slice
+from alignment.rollout import STOP_STRINGS, HfEngine, VllmEngine, load_hf_model
+from alignment.run_log import timed
 from alignment.sampler_process import RolloutsAhead, SamplerProcess
 
 
@@ -26,9 +32,94 @@ def group_prompts(prompts, ground_truths, group_size):
     return [p for p in prompts for _ in range(group_size)], [gt for gt in ground_truths for _ in range(group_size)]
 
 
-def rollout_seed(seed: int, step: int, rank: int = 0) -> int:
-    """The sampling seed of a rollout step (the HF backend and a resumed run draw the same rollouts)."""
-    return seed * 100003 + step * 1009 + rank
+def rollout_seed(seed: int, step: int, rank: int = 0, round_index: int = 0) -> int:
+    """The sampling seed of a rollout step (the HF backend and a resumed run draw the same rollouts);
+    `round_index` numbers --dynamic_sampling's extra rounds (0: the step's own batch)."""
+    return seed * 100003 + step * 1009 + rank + round_index * 10_000_019
+
+
+def rollout_batch(dataset, step: int, steps_per_epoch: int, batch_size: int, seed: int) -> tuple[list[str], list[str]]:
+    """The prompts and answers of rollout step `step` (from 1), as the seed's DataLoader
+    yields them: epoch (step - 1) // steps_per_epoch, rows shuffled by (seed + epoch).
+    The step alone fixes the data position, for a resumed run and for batches sent ahead."""
+    epoch, index = divmod(step - 1, steps_per_epoch)
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    rows = order[index * batch_size : (index + 1) * batch_size]
+    return [dataset.prompts[i] for i in rows], [dataset.ground_truths[i] for i in rows]
+
+
+def batches_ahead(args, dataset, step: int, steps_per_epoch: int, total_steps: int) -> list[tuple[int, list[str], int]]:
+    """One step off: [(step, prompts, seed)] of the next --rollout_staleness steps of this epoch,
+    to sample while this one trains (a new epoch, or a resumed run, restarts the pipeline)."""
+    return [(step + k, rollout_batch(dataset, step + k, steps_per_epoch, args.rollout_batch_size, args.seed)[0], rollout_seed(args.seed, step + k))
+            for k in range(1, args.rollout_staleness + 1) if (step - 1) % steps_per_epoch + k < steps_per_epoch and step + k <= total_steps]
+
+
+def extra_prompts(dataset, step: int, round_index: int, batch_size: int, seed: int) -> tuple[list[str], list[str]]:
+    """--dynamic_sampling's extra round `round_index` (from 1) of step `step`: `batch_size` prompts drawn
+    from the whole train split, seeded by (seed, step, round). DAPO takes the next batches of its data
+    loader; drawing apart keeps every step's own batch where the step alone puts it (resume, epochs)."""
+    generator = torch.Generator().manual_seed(rollout_seed(seed, step, round_index=round_index))
+    rows = torch.randperm(len(dataset), generator=generator)[:batch_size].tolist()
+    return [dataset.prompts[i] for i in rows], [dataset.ground_truths[i] for i in rows]
+
+
+def fill_informative_groups(sample_round, group_size: int, wanted_groups: int, max_extra_rounds: int, ranks):
+    """DAPO's dynamic sampling (Yu et al. 2025, "DAPO", section 3.2, "over-sample and filter out").
+
+    A group whose rewards all tie has zero advantage and no gradient: such groups are dropped
+    and the batch refilled with the groups of extra rounds of prompts until it holds
+    `wanted_groups` groups whose rewards differ, or `max_extra_rounds` extra rounds ran.
+    Still short then, tied groups fill it (they train on nothing but KL), so the batch keeps
+    its size. Every rank runs as many rounds (under torchrun the samplers step together).
+
+    `sample_round(round_index)` -> (grouped prompts, grouped truths, generations, scores,
+    weights version), round 0 being the step's own prompts. Returns the same five for the
+    kept groups and {extra rounds, fraction of sampled groups that were informative}.
+    """
+    kept, tied, sampled_groups, round_index = [], [], 0, 0
+    while True:
+        *columns, version = sample_round(round_index)
+        for start in range(0, len(columns[0]), group_size):
+            group = tuple(column[start : start + group_size] for column in columns)
+            (kept if len({score["reward"] for score in group[3]}) > 1 else tied).append(group)
+        sampled_groups += len(columns[0]) // group_size
+        if round_index >= max_extra_rounds or not ranks.any_true(len(kept) < wanted_groups):
+            break
+        round_index += 1
+    groups = (kept + tied)[:wanted_groups]
+    flat = [[item for group in groups for item in group[column]] for column in range(4)]
+    return (*flat, version, {"train/dynamic_sampling_rounds": round_index,
+                             "train/dynamic_sampling_informative_fraction": ranks.mean(len(kept) / max(sampled_groups, 1))})
+
+
+def sample_and_grade(args, sampler, dataset, step: int, prompts, truths, sampling, later, ranks, timings: dict, grade):
+    """train_rl's steps 1-3a: the step's rollouts, graded by `grade` (grade_responses): (grouped prompts,
+    grouped truths, generations, scores, weights version, scalars to log). --dynamic_sampling (DAPO)
+    replaces the groups whose rewards all tie with groups of extra prompts (`fill_informative_groups`)."""
+    def sample_round(round_index):
+        round_prompts, round_truths = (prompts, truths) if round_index == 0 else (  # an extra round: prompts drawn apart from the step's
+            rank_slice(items, ranks) for items in extra_prompts(dataset, step, round_index, args.rollout_batch_size, args.seed))
+        with timed(timings, "rollout"):
+            grouped_prompts, grouped_truths, generations, version = sampler.sample(
+                step, round_prompts, round_truths, args.group_size, sampling, rollout_seed(args.seed, step, ranks.rank, round_index), () if round_index else later)
+        with timed(timings, "reward"):
+            return grouped_prompts, grouped_truths, generations, grade([g.text for g in generations], grouped_truths), version
+
+    if not args.dynamic_sampling:
+        return (*sample_round(0), {})
+    return fill_informative_groups(sample_round, args.group_size, len(prompts), args.max_sampling_rounds, ranks)
+
+
+def truncated_responses(generations, max_tokens: int, eos_token_id: int | None, stop=STOP_STRINGS) -> torch.Tensor:
+    """(N,) bool: the responses that ran into `max_tokens` without ending, for --overlong.
+
+    Truncated: `max_tokens` tokens generated, no stop string ("</answer>") in the text, and
+    the last token not EOS. (A response that ends exactly at the limit is not truncated; the
+    HF engine drops a final EOS that is also the pad token, so such a response is shorter.)
+    """
+    return torch.tensor([g.num_tokens >= max_tokens and not any(marker in g.text for marker in stop)
+                         and not (g.token_ids and g.token_ids[-1] == eos_token_id) for g in generations], dtype=torch.bool)
 
 
 class Sampler:

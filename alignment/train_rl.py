@@ -40,7 +40,11 @@ Where the algorithm departs from the seed, each one flag away from the seed's be
   is logged either way), --length_normalization constant (Dr. GRPO),
   --cliprange_high (DAPO), --epochs_per_rollout_batch / --train_batch_size,
   --no-use_std_normalization (Dr. GRPO), batches whose groups all tie are skipped
-  (--no-skip_zero_signal runs them, as the seed did).
+  (--no-skip_zero_signal runs them, as the seed did);
+- objective variants, all off by default (grpo.py has each formula and its source):
+  --loss_type gspo / cispo, --dynamic_sampling and --overlong mask|penalty (DAPO),
+  --entropy_coef, --kl_estimator k1|k2 and --kl_in reward, --mismatch_correction
+  (one step off), --eval_samples / --eval_pass_k (pass@k beside greedy accuracy).
 Speed (--torch_compile, --microbatch_tokens, --pack_sequences, FSDP2) and the
 engineering around a run (owned and locked outputs, --resume, signals) are in the
 README; the update itself in policy_update.py, the loss math in grpo.py, the sampler
@@ -68,36 +72,49 @@ from alignment.devices import format_role_table, one_device_roles, resolve_dtype
 from alignment.distributed import check_fsdp_sizes, rank_slice, reduce_reward_meta, reduce_totals, save_policy
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
 from alignment.errors import RunStopped, UserError, run_cli
-from alignment.evaluate import evaluate_in_subprocess, evaluate_math, format_metrics_table, summarize_samples, write_json, write_jsonl
+from alignment.evaluate import add_pass_at_k, evaluate_checkpoint, evaluate_in_subprocess, evaluate_math, summarize_samples, write_json, write_jsonl
 from alignment.flops import policy_peak_flops
-from alignment.grpo import advantages_from_scores
+from alignment.grpo import advantages_from_scores, normalize_group_rewards, overlong_reward, sequence_kl
 from alignment.interrupts import StopOnSignal, resume_command
 from alignment.optim import build_optimizer, build_scheduler, set_peak_learning_rate
 from alignment.policy_update import UpdateSettings, empty_totals, load_reference, needs_old_policy_pass, prepare_policy, score_with, sequence_lengths, update_policy
 from alignment.precision import describe as describe_precision
 from alignment.precision import master_dtype
-from alignment.rollout import HfEngine, SamplingSettings, build_engine, checkpoint_tensors, load_hf_model, load_tokenizer
+from alignment.rollout import HfEngine, SamplingSettings, checkpoint_tensors, load_hf_model, load_tokenizer
 from alignment.run_log import STEP_TIMINGS, RunLog, step_scalars, timed
-from alignment.sampler import rollout_seed, start_sampler
+from alignment.sampler import batches_ahead, rollout_batch, sample_and_grade, start_sampler, truncated_responses
 from alignment.sampler_process import SamplerProcessError
 from alignment.sft_helpers import tokenize_rollout_ids, tokenize_rollouts
 
 
-def rollout_batch(dataset, step: int, steps_per_epoch: int, batch_size: int, seed: int) -> tuple[list[str], list[str]]:
-    """The prompts and answers of rollout step `step` (from 1), as the seed's DataLoader
-    yields them: epoch (step - 1) // steps_per_epoch, rows shuffled by (seed + epoch).
-    The step alone fixes the data position, for a resumed run and for batches sent ahead."""
-    epoch, index = divmod(step - 1, steps_per_epoch)
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    rows = order[index * batch_size : (index + 1) * batch_size]
-    return [dataset.prompts[i] for i in rows], [dataset.ground_truths[i] for i in rows]
+def shape_rewards(args, batch, change, ranks, name: str) -> dict:
+    """Add `change` (N,) to the rollouts' rewards, normalise each group again: DAPO's overlong penalty
+    and --kl_in reward's KL enter before the group mean and std, as verl does. Returns {name: mean}."""
+    batch["raw_rewards"] = batch["raw_rewards"] + change
+    batch["advantages"], _ = normalize_group_rewards(batch["raw_rewards"], args.group_size, args.advantage_eps, args.use_std_normalization)
+    return {name: ranks.mean(change.mean().item())}
 
 
-def batches_ahead(args, dataset, step: int, steps_per_epoch: int, total_steps: int) -> list[tuple[int, list[str], int]]:
-    """One step off: [(step, prompts, seed)] of the next --rollout_staleness steps of this epoch,
-    to sample while this one trains (a new epoch, or a resumed run, restarts the pipeline)."""
-    return [(step + k, rollout_batch(dataset, step + k, steps_per_epoch, args.rollout_batch_size, args.seed)[0], rollout_seed(args.seed, step + k))
-            for k in range(1, args.rollout_staleness + 1) if (step - 1) % steps_per_epoch + k < steps_per_epoch and step + k <= total_steps]
+def handle_overlong(args, batch, generations, eos_token_id, ranks) -> dict:
+    """--overlong (DAPO): truncated responses leave the loss (mask) or the length penalty enters every reward."""
+    if args.overlong == "none":
+        return {}
+    truncated = truncated_responses(generations, args.sampling_max_tokens, eos_token_id)
+    if args.overlong == "mask":
+        batch["in_loss"] = ~truncated
+    logged = {"train/truncated_fraction": ranks.mean(truncated.float().mean().item())}
+    if args.overlong == "penalty":
+        lengths = torch.tensor([g.num_tokens for g in generations])
+        logged.update(shape_rewards(args, batch, overlong_reward(lengths, args.sampling_max_tokens, args.overlong_buffer), ranks, "train/overlong_reward"))
+    return logged
+
+
+def kl_in_reward(args, batch, model, main_device, scoring: dict, ranks) -> dict:
+    """--kl_in reward: each response's summed KL (--kl_estimator) between the pre-update policy and the
+    reference, times --kl_coef, leaves its reward before the group normalisation (verl's use_kl_in_reward)."""
+    before = batch["old_log_probs"] if "old_log_probs" in batch else score_with(model, batch, args.train_mini_batch_size, main_device, **scoring)
+    kl = sequence_kl(before, batch["ref_log_probs"], batch["response_mask"], args.kl_estimator)
+    return shape_rewards(args, batch, -args.kl_coef * kl, ranks, "train/kl_reward")
 
 
 def rollout_tensors(args, tokenizer, grouped_prompts, generations, raw_rewards, advantages) -> dict:
@@ -117,19 +134,21 @@ def evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, ste
     sampling = SamplingSettings.from_args(args, "eval_")
     if args.rollout_backend == "hf" and ranks.world_size == 1:
         engine = HfEngine(model, tokenizer, batch_size=args.hf_batch_size, compute_dtype=resolve_dtype(args.dtype, roles["sample"]))
-        return evaluate_math(engine, r1_zero_reward_fn, eval_set.prompts, eval_set.ground_truths, sampling), False
+        metrics = evaluate_math(engine, r1_zero_reward_fn, eval_set.prompts, eval_set.ground_truths, sampling)
+        return add_pass_at_k(metrics, engine, eval_set.prompts, eval_set.ground_truths, args, "eval_"), False  # --eval_samples
     if (args.eval_engine == "sampler" and args.rollout_sync_every == 1) or ranks.world_size > 1:
         sampler.engine.load_weights(ranks.full_weights(model))
         prompts, truths = rank_slice(eval_set.prompts, ranks), rank_slice(eval_set.ground_truths, ranks)
         started = time.perf_counter()
         local = evaluate_math(sampler.engine, r1_zero_reward_fn, prompts, truths, sampling) if prompts else {"samples": []}
         metrics = summarize_samples(ranks.gather(local["samples"]), time.perf_counter() - started)
+        metrics = add_pass_at_k(metrics, sampler.engine, prompts, truths, args, "eval_", ranks.gather)
         if args.rollout_sync_every == 0:
             sampler.engine.load_weights(checkpoint_tensors(sampler.start_weights))
             return metrics, False
         return metrics, True
     # the seed's path: save the policy, evaluate it with a fresh vLLM engine on the eval device, in
-    # a child process (vLLM keeps process-wide state: a second engine, once closed, breaks the sampler)
+    # a child process (vLLM keeps process-wide state: a second engine, once closed, breaks the sampler), pass@k there too
     save_model_atomically(model, tokenizer, args.tmp_checkpoint_path, "eval_checkpoint")
     return evaluate_in_subprocess(args.tmp_checkpoint_path, args, Path(args.log_dir) / args.run_name / f"eval_step_{step}", roles["eval"]), False
 
@@ -239,37 +258,37 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         progress["step"], step_started, timings = step, time.perf_counter(), dict.fromkeys(STEP_TIMINGS, 0.0)
         prompts, truths = (rank_slice(items, ranks) for items in rollout_batch(dataset, step, steps_per_epoch, args.rollout_batch_size, args.seed))  # whole prompts per rank
 
-        # 1-2. rollouts follow the policy; sample group_size responses per prompt (one step off: the
-        # batch came ahead, and the next ones go out now). The sampler's own log-probs of its tokens
-        # come back on some steps (every step one step off: the importance weights need them)
+        # 1-2. rollouts follow the policy; sample group_size responses per prompt (one step off: the batch came
+        # ahead, and the next ones go out now) and grade them (--dynamic_sampling refills groups that tie). The sampler's
+        # own log-probs of its tokens come back on some steps (every step one step off: the importance weights need them)
         with timed(timings, "sync"):
             sampler.catch_up(progress["policy_version"], weights)
         measure_gap = args.rollout_tokens == "ids" and args.sampler_logprobs_every > 0 and (step - 1) % args.sampler_logprobs_every == 0
-        later = batches_ahead(args, dataset, step, steps_per_epoch, total_steps)
-        with timed(timings, "rollout"):
-            grouped_prompts, grouped_truths, generations, sampled_version = sampler.sample(
-                step, prompts, truths, args.group_size, replace(rollout_sampling, log_probs=measure_gap or bool(args.rollout_staleness)),
-                rollout_seed(args.seed, step, ranks.rank), later)
+        grouped_prompts, grouped_truths, generations, scores, sampled_version, extras = sample_and_grade(
+            args, sampler, dataset, step, prompts, truths, replace(rollout_sampling, log_probs=measure_gap or bool(args.rollout_staleness)),
+            batches_ahead(args, dataset, step, steps_per_epoch, total_steps), ranks, timings, grade_responses)
         timings.update(sampler.process_seconds())
         generated_tokens = ranks.sum(sum(g.num_tokens for g in generations))
 
-        # 3. rewards, then advantages normalised within each prompt's group
+        # 3. advantages normalised within each prompt's group (--overlong: DAPO's truncation mask or length penalty)
         with timed(timings, "reward"):
-            scores = grade_responses([g.text for g in generations], grouped_truths)
             advantages, raw_rewards, reward_meta = advantages_from_scores(scores, args.group_size, args.advantage_eps, args.use_std_normalization)
             reward_meta = reduce_reward_meta(reward_meta, raw_rewards, ranks)
         batch = rollout_tensors(args, tokenizer, grouped_prompts, generations, raw_rewards, advantages)
+        extras.update(handle_overlong(args, batch, generations, tokenizer.eos_token_id, ranks))
 
-        # 4. log-probs fixed during the update: the frozen reference, and the pre-update policy when
-        # grpo_clip takes several optimizer steps. A batch whose groups all tie has zero advantage:
+        # 4. log-probs fixed during the update: the frozen reference, and the pre-update policy when a
+        # ratio loss takes several optimizer steps. A batch whose groups all tie has zero advantage:
         # its gradient is zero (without KL), so skip the work and keep Adam's momentum still.
-        signal = raw_rewards if args.loss_type == "no_baseline" else advantages
+        signal = batch["raw_rewards"] if args.loss_type == "no_baseline" else batch["advantages"]
         has_signal = ranks.any_true(args.kl_coef > 0 or not args.skip_zero_signal or bool(signal.abs().max() > 0))
         with timed(timings, "logprobs"):
             if has_signal and reference_model is not None:
                 batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, **scoring)
             if has_signal and needs_old_policy_pass(settings, args.total_rollouts):
                 batch["old_log_probs"] = score_with(model, batch, args.train_mini_batch_size, main_device, **scoring)
+            if args.kl_in == "reward":
+                extras.update(kl_in_reward(args, batch, model, main_device, scoring, ranks))
 
         # 5. the policy-gradient update: log-probs, loss, backward, clip, step
         with timed(timings, "update"):
@@ -296,8 +315,8 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
                 sampler.version = progress["policy_version"]
             log.evaluation(step, eval_metrics, args.num_logged_rollouts)
         timings["step"] = time.perf_counter() - step_started
-        log.step(step, total_steps, step_scalars(args, progress, reward_meta, totals, timings, generated_tokens, scheduler.get_last_lr()[0], total_peak),
-                 progress["skipped_steps"])
+        log.step(step, total_steps, {**step_scalars(args, progress, reward_meta, totals, timings, generated_tokens, scheduler.get_last_lr()[0], total_peak),
+                                     **extras}, progress["skipped_steps"])
 
         # 7. save: the policy after each pass over the data (seed), a training state every
         # --save_state_every steps and when a signal asks to stop
@@ -332,26 +351,6 @@ def drop_samples(metrics: dict) -> dict:
     return {key: value for key, value in metrics.items() if key != "samples"}
 
 
-def evaluate_only(args) -> dict:
-    """The seed's rule: an existing RL checkpoint is evaluated, never retrained."""
-    print(f"{args.checkpoint_path} already holds weights: evaluating it (no training)")
-    device = args.eval_device if args.layout == "explicit" else resolve_role_devices(args, 1)["eval"]
-    engine = build_engine(args.rollout_backend, args.checkpoint_path, device, resolve_dtype(args.dtype, device), args.seed, args)
-    eval_set = Gsm8kDataset(args.eval_split, args.data_dir, limit=args.eval_num_examples)
-    torch.manual_seed(args.seed)
-    metrics = evaluate_math(engine, r1_zero_reward_fn, eval_set.prompts, eval_set.ground_truths, SamplingSettings.from_args(args, "eval_"))
-    engine.close()
-    run_dir = Path(args.log_dir) / args.run_name
-    write_jsonl(run_dir / "eval_only_samples.jsonl", metrics.pop("samples"))
-    write_json(run_dir / "eval_only_metrics.json", {**metrics, "checkpoint_path": str(args.checkpoint_path)})
-    writer = SummaryWriter(str(run_dir))
-    for key in ("avg_all_rewards", "format_reward", "answer_reward", "mean_response_tokens"):
-        writer.add_scalar(f"eval_only/{key}", metrics[key], 0)
-    writer.close()
-    print(format_metrics_table(metrics, f"{args.checkpoint_path} on {args.eval_split}"))
-    return metrics
-
-
 def main(argv=None) -> dict:
     args = parse_rl_args(argv)
     sft_args = build_sft_parser().parse_args([])  # the seed parses both; RL starts where SFT saved
@@ -379,7 +378,7 @@ def main(argv=None) -> dict:
         with OutputLock([(run_dir, "--log_dir/--run_name")] if writes else []):
             if writes:
                 claim_log_folder(run_dir, "--log_dir/--run_name")
-            return evaluate_only(args)
+            return evaluate_checkpoint(args)
     check_checkpoint(base_model_checkpoint_path, "--sft_checkpoint_path", "run `python -m alignment.train_sft` first or pass --sft_checkpoint_path")
     if not Path(base_model_checkpoint_path).is_dir():
         raise UserError(f"--sft_checkpoint_path {base_model_checkpoint_path} must be a local folder (train_rl reads its config and loads it into vLLM)")

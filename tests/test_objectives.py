@@ -1,0 +1,570 @@
+"""The objective variants: GSPO, CISPO, DAPO's dynamic sampling and overlong handling, the entropy
+bonus, KL estimators and KL in the reward, mismatch corrections, pass@k. Hand-computed values and
+gradients on small tensors, the default path against the formula it had before, flag checks, and
+two short train_rl runs that put every new flag through the loop."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from alignment import evaluate, train_rl
+from alignment.args import RUN_DEFINING_FLAGS, check_resume_flags, parse_eval_args, parse_rl_args
+from alignment.distributed import SingleProcess
+from alignment.errors import UserError, run_cli
+from alignment.evaluate import add_pass_at_k, correct_counts, pass_at_k
+from alignment.grpo import (
+    compute_cispo_loss,
+    compute_grpo_clip_loss,
+    compute_gspo_loss,
+    compute_kl_penalty,
+    compute_policy_gradient_loss,
+    grpo_microbatch_train_step,
+    mismatch_weights,
+    normalize_group_rewards,
+    overlong_reward,
+    sequence_kl,
+)
+from alignment.rollout import Generation
+from alignment.sampler import fill_informative_groups, truncated_responses
+from conftest import make_tiny_task, parity_reward, steps_log, train_rl_flags, update_settings
+
+# ------------------------------------------------------------------ GSPO
+
+
+def _gspo_case():
+    """4 responses in T=3: two tokens (inside the clip), three (clipped high), one token, none."""
+    advantages = torch.tensor([[1.0], [1.0], [-1.0], [1.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    log_ratio = torch.tensor([[0.1, 0.3, 0.0], [0.4, 0.5, 0.6], [-0.1, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    old = torch.tensor([[-1.0, -2.0, float("nan")], [-0.5, -0.7, -1.1], [-0.3, float("nan"), float("nan")], [float("nan")] * 3])
+    policy = (torch.nan_to_num(old, nan=-1.0) + log_ratio).requires_grad_(True)
+    return advantages, policy, old, mask
+
+
+def test_gspo_ratio_is_the_length_normalised_sequence_ratio_clipped_per_sequence():
+    advantages, policy, old, mask = _gspo_case()
+    loss, meta = compute_gspo_loss(advantages, policy, old, mask, cliprange=0.2, cliprange_high=0.3)
+    s = [math.exp(0.2), math.exp(0.5), math.exp(-0.1), 1.0]  # exp(mean log-ratio); an empty response has s = 1
+    assert torch.allclose(meta["sequence_ratio"], torch.tensor(s))
+    # every position carries its sequence's loss: -min(s A, clip(s, 0.8, 1.3) A); NaN off the response never leaks
+    expected = torch.tensor([-s[0], -1.3, s[2], -1.0])
+    assert torch.isfinite(loss).all()
+    assert torch.allclose(loss, expected[:, None].expand(4, 3))
+    assert meta["clipped"][:, 0].tolist() == [False, True, False, False]
+
+
+def test_gspo_dispatch_needs_the_response_mask():
+    log_probs = torch.tensor([[-1.0, -2.0]])
+    with pytest.raises(ValueError, match="loss_type 'gspo' needs response_mask"):
+        compute_policy_gradient_loss(log_probs, "gspo", advantages=torch.ones(1, 1), old_log_probs=log_probs, cliprange=0.2)
+    loss, meta = compute_policy_gradient_loss(log_probs, "gspo", advantages=torch.ones(1, 1), old_log_probs=log_probs, cliprange=0.2,
+                                              response_mask=torch.ones(1, 2, dtype=torch.bool))
+    assert torch.equal(loss, -torch.ones(1, 2)) and meta["sequence_ratio"].tolist() == [1.0]  # on policy: s = 1, loss = -A
+
+
+def test_gspo_gradient_equals_the_sequence_level_objective_and_hand_values():
+    advantages, policy, old, mask = _gspo_case()
+    grpo_microbatch_train_step(policy, mask, 1, "gspo", advantages=advantages, old_log_probs=old, cliprange=0.2, cliprange_high=0.3)
+    # hand: d/dlogp_t of mean_i loss_i = -A_i s_i / |y_i| / B when unclipped, 0 when clipped or masked
+    expected = torch.zeros(4, 3)
+    expected[0, :2] = -math.exp(0.2) / 2 / 4
+    expected[2, 0] = math.exp(-0.1) / 1 / 4  # one token, A = -1
+    assert torch.allclose(policy.grad, expected, atol=1e-7)
+
+    # the naive sequence-level GSPO objective through autograd gives the same gradient
+    naive_policy = policy.detach().clone().requires_grad_(True)
+    losses = []
+    for row in range(3):
+        s = torch.exp((naive_policy[row][mask[row]] - old[row][mask[row]]).mean())
+        losses.append(-torch.minimum(s * advantages[row, 0], s.clamp(0.8, 1.3) * advantages[row, 0]))
+    (torch.stack(losses).sum() / 4).backward()
+    assert torch.allclose(naive_policy.grad, policy.grad, atol=1e-7)
+
+
+# ------------------------------------------------------------------ CISPO
+
+
+def test_cispo_clips_the_detached_weight_and_keeps_every_tokens_gradient():
+    ratios = torch.tensor([[1.5, 1.0, 0.5]])
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    policy = (old + ratios.log()).requires_grad_(True)
+    advantages = torch.tensor([[2.0]])
+    loss, meta = compute_cispo_loss(advantages, policy, old, cliprange=0.2)
+    weights = torch.tensor([[1.2, 1.0, 0.8]])
+    assert torch.allclose(loss, -weights * 2.0 * policy.detach())
+    assert meta["clipped"].tolist() == [[True, False, True]]
+    loss.sum().backward()
+    assert torch.allclose(policy.grad, -weights * 2.0)  # grpo_clip would give 0 on the first token
+
+    clip_policy = policy.detach().clone().requires_grad_(True)
+    compute_grpo_clip_loss(advantages, clip_policy, old, cliprange=0.2)[0].sum().backward()
+    assert clip_policy.grad[0, 0] == 0.0
+
+
+def test_cispo_on_policy_is_reinforce():
+    """One optimizer step on fresh rollouts: the old log-probs are the policy's own, ratio 1."""
+    generator = torch.Generator().manual_seed(0)
+    log_probs = (-torch.rand(3, 4, generator=generator)).requires_grad_(True)
+    advantages = torch.tensor([[1.0], [-0.5], [2.0]])
+    cispo, _ = compute_policy_gradient_loss(log_probs, "cispo", advantages=advantages, old_log_probs=log_probs.detach(), cliprange=0.2)
+    cispo.sum().backward()
+    reinforce_policy = log_probs.detach().clone().requires_grad_(True)
+    reinforce, _ = compute_policy_gradient_loss(reinforce_policy, "reinforce_with_baseline", advantages=advantages)
+    reinforce.sum().backward()
+    assert torch.equal(cispo, reinforce.detach()) and torch.equal(log_probs.grad, reinforce_policy.grad)
+
+
+# ------------------------------------------------------------------ KL
+
+
+def test_kl_estimators_values_and_gradients():
+    reference = torch.tensor([[-1.0, -1.0, -1.5]])
+    r = torch.tensor([[0.0, 1.0, -1.0]])  # ref - logp
+    hand = {
+        "k1": (-r, torch.ones(1, 3)),  # d(-r)/dlogp = 1
+        "k2": (r**2 / 2, -r),  # d(r^2/2)/dlogp = -r
+        "k3": (torch.exp(r) - r - 1, 1 - torch.exp(r)),
+    }
+    for estimator, (values, gradient) in hand.items():
+        policy = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+        kl = compute_kl_penalty(policy, reference, estimator)
+        assert torch.allclose(kl, values), estimator
+        kl.sum().backward()
+        assert torch.allclose(policy.grad, gradient), estimator
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        compute_kl_penalty(reference, reference, "k4")
+
+
+def test_kl_estimator_in_the_loss_and_k3_stays_logged():
+    policy = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    reference = torch.tensor([[-1.0, -1.0]])
+    loss, meta = compute_policy_gradient_loss(policy, "reinforce_with_baseline", advantages=torch.zeros(1, 1), kl_coef=0.5,
+                                              ref_log_probs=reference, kl_estimator="k2")
+    assert torch.allclose(loss, torch.tensor([[0.0, 0.5 * 0.5]]))  # 0.5 * r^2 / 2 with r = 1
+    assert meta["kl"][0, 1].item() == pytest.approx(math.e - 2.0)  # train/kl_ref logs k3 whichever estimator
+
+
+def test_sequence_kl_sums_response_tokens_without_nan():
+    policy = torch.tensor([[-1.0, -2.0, 0.0], [0.0, 0.0, 0.0], [-0.5, 0.0, 0.0]])
+    reference = torch.tensor([[-1.0, -1.0, float("nan")], [float("nan")] * 3, [-0.5, float("nan"), 0.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]], dtype=torch.bool)
+    assert torch.allclose(sequence_kl(policy, reference, mask), torch.tensor([math.e - 2.0, 0.0, 0.0]))  # empty, one token
+    assert torch.allclose(sequence_kl(policy, reference, mask, "k1"), torch.tensor([-1.0, 0.0, 0.0]))
+
+
+def test_kl_in_the_reward_enters_before_the_group_normalisation():
+    """A group that ties on the task reward gets advantages from its KL differences alone: with
+    std normalisation they are scaled to +-1/sqrt(2) however small the KL (as in verl)."""
+    args = SimpleNamespace(group_size=2, advantage_eps=0.0, use_std_normalization=True)
+    raw = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    batch = {"raw_rewards": raw, "advantages": normalize_group_rewards(raw, 2, 0.0, True)[0]}
+    assert batch["advantages"][:2].tolist() == [0.0, 0.0]
+    kl = torch.tensor([0.1, 0.3, 0.2, 0.2])
+    logged = train_rl.shape_rewards(args, batch, -0.5 * kl, SingleProcess(), "train/kl_reward")
+    assert logged["train/kl_reward"] == pytest.approx(-0.1)
+    assert torch.allclose(batch["raw_rewards"], torch.tensor([0.95, 0.85, 0.9, -0.1]))
+    half = 1 / math.sqrt(2)
+    assert torch.allclose(batch["advantages"], torch.tensor([half, -half, half, -half]), atol=1e-5)
+    args.use_std_normalization = False
+    batch["raw_rewards"] = raw
+    train_rl.shape_rewards(args, batch, -0.5 * kl, SingleProcess(), "train/kl_reward")
+    assert torch.allclose(batch["advantages"], torch.tensor([0.05, -0.05, 0.5, -0.5]))
+
+
+# ------------------------------------------------------------------ DAPO
+
+
+def test_overlong_reward_is_dapos_soft_punishment():
+    lengths = torch.tensor([5, 6, 7, 8, 10, 12])
+    # L = 10, buffer 4: 0 up to 6 tokens, (6 - n) / 4 after, -1 from 10 on
+    assert overlong_reward(lengths, 10, 4).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    assert overlong_reward(torch.tensor([0, 1]), 1, 1).tolist() == [0.0, -1.0]  # the whole response is the buffer
+    for buffer in (0, 11):
+        with pytest.raises(ValueError, match="overlong buffer"):
+            overlong_reward(lengths, 10, buffer)
+
+
+def test_truncated_means_the_limit_without_stop_string_or_eos():
+    eos = 0
+    generations = [
+        Generation("12 + 3", 8, [5] * 8),  # ran into the limit: truncated
+        Generation("15 </answer>", 8, [5] * 8),  # the stop string on the last token: ended
+        Generation("15", 8, [5] * 7 + [eos]),  # EOS on the last token: ended
+        Generation("15", 5, [5] * 5),  # shorter
+        Generation("", 0, []),
+    ]
+    assert truncated_responses(generations, 8, eos).tolist() == [True, False, False, False, False]
+    assert truncated_responses(generations[:1] * 3, 8, eos).all()  # all truncated
+
+
+def _groups(*rewards_per_group):
+    """A sample_round answer: groups of 2 with these rewards (prompts and texts name the group)."""
+    prompts = [f"p{i}" for i, rewards in enumerate(rewards_per_group) for _ in rewards]
+    scores = [{"reward": float(r)} for rewards in rewards_per_group for r in rewards]
+    return prompts, list(prompts), [Generation(p, 1, [1]) for p in prompts], scores, 7
+
+
+def test_dynamic_sampling_refills_informative_groups_and_keeps_the_batch_size():
+    rounds = {0: _groups((1, 1), (0, 1)), 1: _groups((0, 0), (1, 0)), 2: _groups((0, 1), (1, 0))}
+    prompts, truths, generations, scores, version, logged = fill_informative_groups(rounds.__getitem__, 2, 2, 3, SingleProcess())
+    assert [prompt for prompt in prompts] == ["p1", "p1", "p1", "p1"]  # group 1 of round 0, group 1 of round 1
+    assert [s["reward"] for s in scores] == [0.0, 1.0, 1.0, 0.0] and version == 7 and len(generations) == len(truths) == 4
+    assert logged == {"train/dynamic_sampling_rounds": 1, "train/dynamic_sampling_informative_fraction": 0.5}
+
+    # bounded: after the last allowed round, tied groups fill the batch to its size
+    prompts, _, _, scores, _, logged = fill_informative_groups(rounds.__getitem__, 2, 2, 0, SingleProcess())
+    assert len(prompts) == 4 and [s["reward"] for s in scores] == [0.0, 1.0, 1.0, 1.0]
+    assert logged["train/dynamic_sampling_rounds"] == 0
+
+    # every group ties: the rounds run out, the batch keeps its size
+    prompts, _, _, _, _, logged = fill_informative_groups(lambda _: _groups((0, 0), (1, 1)), 2, 2, 2, SingleProcess())
+    assert len(prompts) == 4 and logged == {"train/dynamic_sampling_rounds": 2, "train/dynamic_sampling_informative_fraction": 0.0}
+
+
+# ------------------------------------------------------------------ entropy bonus
+
+
+def test_entropy_bonus_value_and_gradient():
+    generator = torch.Generator().manual_seed(0)
+    log_probs = (-torch.rand(2, 4, generator=generator)).requires_grad_(True)
+    entropy = torch.rand(2, 4, generator=generator).requires_grad_(True)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    advantages = torch.tensor([[1.0], [-1.0]])
+    loss, meta = grpo_microbatch_train_step(log_probs, mask, 1, "reinforce_with_baseline", advantages=advantages, entropy_coef=0.1, token_entropy=entropy)
+    m = mask.float()
+    per_sequence = ((-advantages * log_probs.detach() - 0.1 * entropy.detach()) * m).sum(-1) / m.sum(-1)
+    assert loss.item() == pytest.approx(per_sequence.mean().item())
+    expected = torch.zeros(2, 4)
+    expected[0, :2] = -0.1 / 2 / 2
+    expected[1, :] = -0.1 / 4 / 2
+    assert torch.allclose(entropy.grad, expected)
+    assert meta["entropy_bonus"].item() == pytest.approx(0.1 * (entropy.detach() * m).sum().item() / 6)
+    with pytest.raises(ValueError, match="needs token_entropy"):
+        compute_policy_gradient_loss(log_probs, "reinforce_with_baseline", advantages=advantages, entropy_coef=0.1)
+
+
+def test_entropy_path_matches_the_naive_scoring_and_carries_a_gradient(tiny_model_and_tokenizer):
+    from alignment.policy_update import log_probs_and_entropy
+    from alignment.sft_helpers import get_response_log_probs
+
+    model, _ = tiny_model_and_tokenizer
+    input_ids = torch.tensor([[1, 5, 9, 3, 7], [2, 4, 6, 8, 10]])
+    labels = torch.roll(input_ids, -1, 1)
+    ours = log_probs_and_entropy(model, input_ids, labels, temperature=0.7)
+    naive = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=0, temperature=0.7)
+    assert torch.allclose(ours["log_probs"], naive["log_probs"], atol=1e-6)
+    assert torch.allclose(ours["token_entropy"], naive["token_entropy"], atol=1e-5)
+    assert ours["token_entropy"].requires_grad and not naive["token_entropy"].requires_grad
+    model.zero_grad()
+    ours["token_entropy"].sum().backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0
+    model.zero_grad()
+
+
+# ------------------------------------------------------------------ mismatch corrections
+
+
+def _mismatch_case():
+    ratios = torch.tensor([[3.0, 0.25, 1.5], [4.0, 4.0, 1.0], [1.0, 1.0, 1.0], [0.4, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0], [1, 0, 0]], dtype=torch.bool)
+    sampler = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1], [-1.0, -1.0, -1.0], [-2.0, -1.0, -1.0]])
+    trainer = sampler + ratios.log()
+    return trainer, torch.where(mask, sampler, trainer), mask  # as update_policy passes it: the trainer's own off the response
+
+
+def test_mismatch_weights_token_and_sequence_modes():
+    trainer, sampler, mask = _mismatch_case()
+    weights = {mode: mismatch_weights(trainer, sampler, mask, mode, cap=2.0) for mode in ("tis", "token_mask", "sequence_tis", "sequence_mask")}
+    geo = 1.125 ** (1 / 3)  # (3 x 0.25 x 1.5) ** (1/3)
+    expected = {
+        "tis": [[2.0, 0.25, 1.5], [2.0, 2.0, 1.0], [1.0] * 3, [0.4, 1.0, 1.0]],
+        "token_mask": [[0.0, 0.0, 1.5], [0.0, 0.0, 1.0], [1.0] * 3, [0.0, 1.0, 1.0]],  # outside [1/2, 2]: 0
+        "sequence_tis": [[geo] * 3, [2.0] * 3, [1.0] * 3, [0.4] * 3],  # geometric mean; an empty response has 1
+        "sequence_mask": [[geo] * 3, [0.0] * 3, [1.0] * 3, [0.0] * 3],
+    }
+    for mode, values in expected.items():
+        assert torch.isfinite(weights[mode]).all(), mode
+        assert torch.allclose(weights[mode][mask], torch.tensor(values)[mask]), mode
+    # the ratio losses take only the mask: 0 or 1
+    assert mismatch_weights(trainer, sampler, mask, "token_mask", 2.0, reweight=False)[mask].tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="ratio losses need a masking mode"):
+        mismatch_weights(trainer, sampler, mask, "sequence_tis", 2.0, reweight=False)
+
+
+def test_tis_mode_is_todays_token_tis_bit_for_bit():
+    trainer, sampler, mask = _mismatch_case()
+    assert torch.equal(mismatch_weights(trainer, sampler, mask, "tis", 2.0), torch.exp(trainer - sampler).clamp(max=2.0))
+
+
+def test_masked_tokens_carry_no_gradient_and_one_token_sequences_work():
+    trainer, sampler, mask = _mismatch_case()
+    policy = trainer.clone().requires_grad_(True)
+    weights = mismatch_weights(trainer, sampler, mask, "token_mask", 2.0)
+    grpo_microbatch_train_step(policy, mask, 1, "reinforce_with_baseline", advantages=torch.ones(4, 1), importance_weights=weights)
+    assert (policy.grad[mask & (weights == 0)] == 0).all()
+    assert policy.grad[0, 2].item() == pytest.approx(-1.5 / 3 / 4)  # kept with weight rho = 1.5
+    assert torch.isfinite(policy.grad).all()
+
+
+# ------------------------------------------------------------------ the default path
+
+
+def test_default_flags_give_the_loss_and_gradient_they_gave_before():
+    generator = torch.Generator().manual_seed(3)
+    weights = -torch.rand(3, 5, generator=generator)
+    old = weights + 0.3 * torch.randn(3, 5, generator=generator)
+    ref = weights + 0.3 * torch.randn(3, 5, generator=generator)
+    mask = torch.rand(3, 5, generator=generator) > 0.3
+    mask[2] = False  # an empty response too
+    advantages = torch.tensor([[1.0], [-2.0], [0.5]])
+
+    new = weights.clone().requires_grad_(True)
+    loss, _ = grpo_microbatch_train_step(new, mask, 2, "grpo_clip", advantages=advantages, old_log_probs=old, cliprange=0.2, kl_coef=0.05, ref_log_probs=ref)
+    # the formula as it was: PPO clip + 0.05 x k3 per token, per-sequence mean, batch mean, / 2
+    before = weights.clone().requires_grad_(True)
+    ratio = torch.exp(before - old)
+    per_token = -torch.minimum(ratio * advantages, torch.clamp(ratio, 1.0 - 0.2, 1.0 + 0.2) * advantages)
+    log_ratio = ref - before
+    per_token = per_token + 0.05 * (torch.exp(log_ratio) - log_ratio - 1.0)
+    m = mask.to(per_token.dtype)
+    expected = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean() / 2
+    expected.backward()
+    assert torch.equal(loss, expected.detach()) and torch.equal(new.grad, before.grad)
+
+    # the new keywords at their defaults change nothing
+    explicit = weights.clone().requires_grad_(True)
+    again, _ = grpo_microbatch_train_step(explicit, mask, 2, "grpo_clip", advantages=advantages, old_log_probs=old, cliprange=0.2, kl_coef=0.05,
+                                          ref_log_probs=ref, kl_estimator="k3", entropy_coef=0.0, token_entropy=None, importance_weights=None)
+    assert torch.equal(again, loss) and torch.equal(explicit.grad, new.grad)
+
+
+def test_update_settings_defaults_are_todays_behaviour():
+    settings = update_settings()
+    assert (settings.kl_estimator, settings.kl_in, settings.entropy_coef, settings.mismatch_correction) == ("k3", "loss", 0.0, "tis")
+
+
+def test_overlong_mask_gives_truncated_rows_zero_loss_weight(tiny_model_and_tokenizer):
+    """update_policy with row 1 out of the loss: half of row 0's loss and gradient (the mean is over 2 rows)."""
+    import copy
+
+    from alignment.optim import build_scheduler
+    from alignment.policy_update import sequence_lengths, update_policy
+    from alignment.sft_helpers import tokenize_rollouts
+
+    base, tokenizer = tiny_model_and_tokenizer
+    prompts = ["User: Ava has 3 apples.\nAssistant: <think>", "User: Ben has 9 pens.\nAssistant: <think>"]
+    batch = {**tokenize_rollouts(prompts, [" 3 + 2 = 5 </answer>", " 9 9 9 9 9 9"], tokenizer),
+             "raw_rewards": torch.tensor([1.0, 0.0]), "advantages": torch.tensor([1.0, -1.0]), "in_loss": torch.tensor([True, False])}
+    batch["lengths"] = sequence_lengths(batch["response_mask"])
+    only_first = {key: value[:1] for key, value in batch.items() if key not in ("lengths", "in_loss")}
+    only_first["lengths"] = batch["lengths"][:1]
+    results = []
+    for rows, one_batch in ((2, batch), (1, only_first)):
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        settings = update_settings(train_batch_size=rows, train_mini_batch_size=rows, loss_type="reinforce_with_baseline", max_grad_norm=1e9)
+        before = torch.cat([p.detach().flatten() for p in model.parameters()])
+        totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), one_batch, settings, "cpu")
+        results.append((totals, torch.cat([p.detach().flatten() for p in model.parameters()]) - before))
+    (masked, masked_step), (alone, alone_step) = results
+    assert masked["loss"] == pytest.approx(0.5 * alone["loss"], rel=1e-5)
+    assert torch.allclose(masked_step, 0.5 * alone_step, atol=1e-7)
+    assert masked["entropy"] > 0  # entropy stays measured on every response token
+
+
+# ------------------------------------------------------------------ pass@k
+
+
+def test_pass_at_k_unbiased_estimator():
+    # n = 5, c = 2: 1 - C(3, k) / C(5, k)
+    assert pass_at_k(5, 2, 1) == pytest.approx(1 - 3 / 5)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)
+    assert pass_at_k(5, 2, 4) == 1.0 and pass_at_k(5, 2, 5) == 1.0  # k > n - c: every draw of k holds a correct one
+    assert pass_at_k(5, 0, 3) == 0.0 and pass_at_k(5, 5, 1) == 1.0
+    for n in range(1, 8):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k))
+    for bad in ((5, 2, 0), (5, 2, 6), (5, 6, 1)):
+        with pytest.raises(ValueError):
+            pass_at_k(*bad)
+
+
+class _CyclingEngine:
+    def __init__(self, texts):
+        self.texts, self.seen = texts, []
+
+    def generate(self, prompts, sampling):
+        self.seen.append((list(prompts), sampling))
+        return [Generation(self.texts[i % len(self.texts)], 3, [1, 2, 3]) for i in range(len(prompts))]
+
+
+def test_pass_at_k_samples_each_problem_n_times_at_its_own_temperature():
+    right, wrong = " 2 + 3 = 5 </think> <answer> 5 </answer>", " 1 </think> <answer> 4 </answer>"
+    engine = _CyclingEngine([right, wrong, wrong])
+    assert correct_counts(engine, evaluate.r1_zero_reward_fn, ["a", "b"], ["5", "7"], None, 3) == [1, 0]
+    args = SimpleNamespace(samples=3, pass_k=2, samples_temperature=0.8, temperature=0.0, top_p=1.0, min_tokens=0, max_tokens=16, repetition_penalty=1.0)
+    metrics = add_pass_at_k({"avg_all_rewards": 0.5}, engine, ["a", "b"], ["5", "7"], args, "")
+    prompts, sampling = engine.seen[-1]
+    assert prompts == ["a", "a", "a", "b", "b", "b"] and sampling.temperature == 0.8
+    assert metrics["pass@2"] == pytest.approx((1 - 1 / 3 + 0) / 2)  # pass@2 of (n=3, c=1) and (3, 0)
+    assert metrics["sampled_accuracy"] == pytest.approx(1 / 6) and metrics["avg_all_rewards"] == 0.5
+    args.samples = 0
+    assert add_pass_at_k({"avg_all_rewards": 0.5}, engine, ["a"], ["5"], args, "") == {"avg_all_rewards": 0.5}
+
+
+# ------------------------------------------------------------------ flags
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return make_tiny_task(tmp_path_factory.mktemp("objectives"), num_train=16, num_test=4, seed=3)
+
+
+def _one_line_error(main, argv, capsys, pattern):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert pattern in err, err
+
+
+@pytest.mark.parametrize("flags, pattern", [
+    (["--loss_type", "gspo", "--length_normalization", "constant"], "--loss_type gspo averages one ratio per response"),
+    (["--dynamic_sampling", "--rollout_staleness", "1"], "--dynamic_sampling samples extra rounds in step"),
+    (["--dynamic_sampling", "--loss_type", "no_baseline"], "--dynamic_sampling drops groups"),
+    (["--max_sampling_rounds", "0"], "--max_sampling_rounds: must be a positive integer"),
+    (["--overlong", "penalty"], "--overlong penalty needs --overlong_buffer in [1, --sampling_max_tokens 1024]"),
+    (["--overlong", "penalty", "--overlong_buffer", "2000"], "--overlong penalty needs --overlong_buffer"),
+    (["--overlong_buffer", "8"], "--overlong_buffer 8 only shapes --overlong penalty"),
+    (["--overlong", "drop"], "--overlong: invalid choice"),
+    (["--entropy_coef", "-0.1"], "--entropy_coef: must be a number >= 0"),
+    (["--kl_in", "reward"], "--kl_in reward shapes the KL penalty: it needs --kl_coef > 0"),
+    (["--kl_estimator", "k1"], "--kl_estimator k1 shapes the KL penalty"),
+    (["--mismatch_correction", "token_mask"], "--mismatch_correction token_mask corrects rollouts sampled ahead"),
+    (["--mismatch_correction", "token_mask", "--rollout_staleness", "1", "--tis_cap", "1"], "it needs --tis_cap c > 1"),
+    (["--mismatch_correction", "sequence_tis", "--rollout_staleness", "1"], "--mismatch_correction sequence_tis reweights the REINFORCE losses"),
+    (["--eval_pass_k", "4"], "--eval_pass_k 4 needs --eval_samples N >= 4"),
+    (["--eval_samples", "2", "--eval_pass_k", "3"], "--eval_pass_k 3 exceeds --eval_samples 2"),
+    (["--eval_samples", "2", "--sampling_temperature", "0"], "--eval_samples 2 at temperature 0"),
+])
+def test_bad_objective_flags_are_one_line_naming_the_flag(task, capsys, flags, pattern):
+    _one_line_error(train_rl.main, ["--data_dir", str(task.data), *flags], capsys, pattern)
+
+
+def test_good_combinations_parse_and_resume_refuses_a_changed_objective(task):
+    args = parse_rl_args(["--data_dir", str(task.data), "--loss_type", "cispo", "--dynamic_sampling", "--overlong", "penalty", "--overlong_buffer", "256",
+                          "--kl_coef", "0.01", "--kl_in", "reward", "--kl_estimator", "k2", "--entropy_coef", "0.001", "--eval_samples", "8", "--eval_pass_k", "4"])
+    assert args.eval_samples_temperature == args.sampling_temperature == 1.0
+    new_flags = ("entropy_coef", "kl_estimator", "kl_in", "dynamic_sampling", "max_sampling_rounds", "overlong", "overlong_buffer", "mismatch_correction")
+    assert set(new_flags) <= set(RUN_DEFINING_FLAGS)
+    saved = {"flags": {"entropy_coef": 0.0, "kl_in": "reward", "eval_samples": 0}}
+    with pytest.raises(UserError, match="--resume: --entropy_coef is 0.001 but the run was started with 0.0"):
+        check_resume_flags(saved, args, "sha")
+    saved["flags"]["entropy_coef"] = 0.001
+    assert check_resume_flags(saved, args, "sha") == ["--eval_samples 8 (the run had 0)"]  # evaluation may change
+
+
+def test_evaluate_cli_pass_at_k_flags(task, capsys, tmp_path):
+    base = ["--model_path", str(task.sft), "--data_dir", str(task.data)]
+    _one_line_error(evaluate.main, base + ["--samples", "2", "--pass_k", "3"], capsys, "--pass_k 3 exceeds --samples 2")
+    with pytest.raises(SystemExit):
+        parse_eval_args(["--help"])
+    assert "--pass_k" in capsys.readouterr().out
+    metrics = evaluate.main(base + ["--backend", "hf", "--num_examples", "2", "--max_tokens", "6", "--samples", "3", "--pass_k", "2",
+                                    "--output_dir", str(tmp_path / "eval")])
+    written = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert written["pass@2"] == metrics["pass@2"] and written["pass_at_k_samples"] == 3
+    assert 0.0 <= written["sampled_accuracy"] <= written["pass@2"] <= 1.0
+
+
+# ------------------------------------------------------------------ train_rl end to end
+
+
+def _parity_of_one(response, ground_truth):
+    return parity_reward([response], [ground_truth])[0]
+
+
+def _informative_for_even_answers(responses, ground_truths, **_):
+    """Rewards 1, 0, 1, 0 within a group of a problem with an even answer; 0 for every response to an odd one (a tied group)."""
+    return [{"reward": float(index % 2 == 0 and int(truth) % 2 == 0), "format_reward": 1.0, "answer_reward": 0.0}
+            for index, truth in enumerate(ground_truths)]
+
+
+def _flags(task, name, *extra):
+    return train_rl_flags(task, name, "--max_steps", "2", "--rollout_batch_size", "2", "--group_size", "4", "--sampling_max_tokens", "10",
+                          "--eval_max_tokens", "6", "--eval_num_examples", "2", *extra)
+
+
+def test_gspo_one_step_off_with_entropy_k2_overlong_penalty_and_pass_at_k(task, monkeypatch):
+    monkeypatch.setattr(train_rl, "grade_responses", parity_reward)
+    monkeypatch.setattr(train_rl, "r1_zero_reward_fn", _parity_of_one)
+    monkeypatch.setattr(evaluate, "r1_zero_reward_fn", _parity_of_one)
+    train_rl.main(_flags(task, "gspo", "--loss_type", "gspo", "--rollout_staleness", "1", "--mismatch_correction", "sequence_mask",
+                         "--entropy_coef", "0.01", "--kl_estimator", "k2", "--overlong", "penalty", "--overlong_buffer", "4",
+                         "--eval_samples", "4", "--eval_pass_k", "2"))
+    rows = steps_log(task, "gspo")
+    assert [row["train/staleness"] for row in rows] == [0, 1]
+    for row in rows:
+        assert row["train/entropy_bonus"] == pytest.approx(0.01 * row["train/entropy"], rel=1e-4)  # no mask: the same tokens
+        assert 0.0 <= row["train/mismatch_masked_fraction"] <= 1.0
+        assert 0.0 <= row["train/truncated_fraction"] <= 1.0 and -1.0 <= row["train/overlong_reward"] <= 0.0
+        if row["train/truncated_fraction"] == 1.0:
+            assert row["train/overlong_reward"] == -1.0  # every response at the limit
+        assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(task.root / "runs" / "gspo"))
+    events.Reload()
+    assert {"train/entropy_bonus", "train/mismatch_masked_fraction", "train/overlong_reward", "train/truncated_fraction"} <= set(events.Tags()["scalars"])
+    assert [event.step for event in events.Scalars("eval/pass@2")] == [2] == [event.step for event in events.Scalars("eval/avg_all_rewards")]
+    final = json.loads((task.root / "runs" / "gspo" / "final_eval_metrics.json").read_text())
+    evals = [json.loads(line) for line in (task.root / "runs" / "gspo" / "evals.jsonl").read_text().splitlines()]
+    assert evals[-1]["pass@2"] == final["pass@2"] and evals[-1]["pass_at_k_samples"] == 4
+    assert 0.0 <= final["sampled_accuracy"] <= final["pass@2"] <= 1.0 and final["pass@2"] > 0  # parity: some samples are right
+
+
+def _recording_update(monkeypatch):
+    """train_rl.update_policy, recording each batch it trains on."""
+    batches, real_update = [], train_rl.update_policy
+
+    def recording_update(model, optimizer, scheduler, batch, *args, **kwargs):
+        batches.append(batch)
+        return real_update(model, optimizer, scheduler, batch, *args, **kwargs)
+
+    monkeypatch.setattr(train_rl, "update_policy", recording_update)
+    return batches
+
+
+def test_cispo_with_dynamic_sampling_and_kl_in_the_reward(task, monkeypatch):
+    monkeypatch.setattr(train_rl, "grade_responses", _informative_for_even_answers)
+    batches = _recording_update(monkeypatch)
+    train_rl.main(_flags(task, "cispo", "--loss_type", "cispo", "--dynamic_sampling", "--max_sampling_rounds", "1", "--kl_in", "reward", "--kl_estimator", "k1"))
+    rows = steps_log(task, "cispo")
+    assert [batch["input_ids"].shape[0] for batch in batches] == [8, 8]  # 2 prompts x 4 responses, refilled or not
+    # this seed's steps: step 1 holds one even answer (informative) and one odd, step 2 two odd answers; the extra round
+    # draws two odd answers each time, so the batch is filled with tied groups: 1 of 4, then 0 of 4 sampled groups informative
+    assert [row["train/dynamic_sampling_rounds"] for row in rows] == [1, 1]
+    assert [row["train/dynamic_sampling_informative_fraction"] for row in rows] == [0.25, 0.0]
+    assert rows[0]["train/kl_reward"] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
+    assert rows[0]["train/grad_norm"] > 0 and rows[1]["train/kl_reward"] < 0  # it moved, and k1 of its own samples is positive here
+    # the KL left the loss for the reward: step 2's task rewards all tie at 0, so its rewards are -kl_coef x KL, and
+    # its advantages those rewards normalised within each group (KL differences alone, scaled to unit std)
+    rewards = batches[1]["raw_rewards"]
+    assert rewards.mean().item() == pytest.approx(rows[1]["train/kl_reward"], rel=1e-5) and (rewards != 0).all()
+    assert torch.allclose(batches[1]["advantages"], normalize_group_rewards(rewards, 4, 1e-6, True)[0])
+
+
+def test_overlong_mask_takes_truncated_responses_out_of_the_loss(task, monkeypatch):
+    monkeypatch.setattr(train_rl, "grade_responses", parity_reward)
+    batches = _recording_update(monkeypatch)
+    # one step: masking the loss leaves nothing for a second to add (the random model rarely ends a response)
+    train_rl.main(_flags(task, "overlong_mask", "--overlong", "mask", "--max_steps", "1"))
+    for row, batch in zip(steps_log(task, "overlong_mask"), batches, strict=True):
+        assert 0 < row["train/truncated_fraction"] == pytest.approx(1 - batch["in_loss"].float().mean().item())
+        # parity rewards give every group an advantage: the loss is 0 exactly when every response is out of it
+        assert (row["train/loss"] == 0.0 and row["train/grad_norm"] == 0.0) == (row["train/truncated_fraction"] == 1.0)
