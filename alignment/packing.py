@@ -15,6 +15,7 @@ padding masks, evaluation) keeps the model's own implementation.
 """
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import itertools
@@ -25,7 +26,13 @@ ATTENTION = "alignment_packed"
 HAS_VARLEN_KERNEL = importlib.util.find_spec("torch.nn.attention.varlen") is not None  # torch 2.11 and 2.13 have it
 
 
-@torch.compiler.disable  # under --torch_compile's per-layer graphs: real ints for the kernel, no recompiles per length
+@functools.cache
+def _compile_disabled_varlen_causal():
+    """`_varlen_causal` outside --torch_compile's per-layer graphs (real ints for the kernel, no recompiles
+    per length); built at first use, since torch.compiler imports torch._dynamo (0.6 s per process)."""
+    return torch.compiler.disable(_varlen_causal)
+
+
 def _varlen_causal(query, key, value, cu_seq_lens, longest: int, scale):
     """(N, H, D) queries of packed sequences -> (N, H, D), each sequence attending causally to itself.
 
@@ -36,7 +43,7 @@ def _varlen_causal(query, key, value, cu_seq_lens, longest: int, scale):
 
         query, key = query.to(value.dtype), key.to(value.dtype)  # a no-op from packed_attention, which casts them
         # grouped-query attention: torch 2.13's kernel asks for the flag; 2.11's takes the shapes as they are (measured on an H200)
-        gqa = {"enable_gqa": key.shape[1] != query.shape[1]} if _KERNEL_TAKES_GQA_FLAG else {}
+        gqa = {"enable_gqa": key.shape[1] != query.shape[1]} if _kernel_takes_gqa_flag() else {}
         return varlen_attn(query, key, value, cu_seq_lens, cu_seq_lens, longest, longest, scale=scale, window_size=(-1, 0), **gqa)
     bounds = cu_seq_lens.tolist()
     parts = []
@@ -60,7 +67,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         # faster than the cast in the kernel's eager wrapper, within noise; bench/RESULTS.md)
         query, key = (t.to(value.dtype).contiguous() for t in (query, key))
     boundaries = kwargs["cu_seq_lens_q"].to(query.device, non_blocking=True)  # layers may sit on other GPUs (--policy_devices)
-    return _varlen_causal(query, key, value, boundaries, kwargs["max_length_q"], scaling)[None], None
+    return _compile_disabled_varlen_causal()(query, key, value, boundaries, kwargs["max_length_q"], scaling)[None], None
 
 
 def require_support(device: str) -> None:
@@ -71,15 +78,13 @@ def require_support(device: str) -> None:
         raise UserError(f"--pack_sequences needs torch.nn.attention.varlen, which torch {torch.__version__} lacks: install the pinned torch (requirements.txt) or drop the flag")
 
 
+@functools.cache
 def _kernel_takes_gqa_flag() -> bool:
     if not HAS_VARLEN_KERNEL:
         return False
     from torch.nn.attention.varlen import varlen_attn
 
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
-
-
-_KERNEL_TAKES_GQA_FLAG = _kernel_takes_gqa_flag()
 
 
 def _register() -> None:

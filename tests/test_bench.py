@@ -1,6 +1,7 @@
 """The GPU benchmarks' CPU smoke mode (--device cpu --tiny): same code paths, seconds."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ def test_rollout_bench_proves_the_sync(tmp_path):
     sync = next(row for row in all_rows if row["row"] == "sync")  # the first: measured with the proof
     assert sync["logprob_diff_before_sync"] > 100 * sync["logprob_diff_after_sync"]
     assert sync["greedy_match_after_sync"] == 1.0
-    assert rows["vllm_generate"]["output_tokens_per_s"] > 0 and rows["hf_generate"]["output_tokens_per_s"] > 0
+    assert rows["vllm_eager_generate"]["output_tokens_per_s"] > 0 and rows["hf_generate"]["output_tokens_per_s"] > 0
 
 
 def test_rollout_bench_proves_the_sync_through_the_engine_core_process(tmp_path):
@@ -63,9 +64,9 @@ def test_sampler_logprobs_bench_times_every_variant_and_profiles_the_engine(tmp_
     assert {"none", "all", "one_in_16", "none_raw", "all_raw"} <= rows.keys()
     assert all(rows[name]["output_tokens_per_s"] > 0 for name in ("none", "all", "one_in_16", "none_raw", "all_raw"))
     profile = (tmp_path / "sampler_logprobs_profile.txt").read_text()
-    # the "all" batch went through vLLM's per-token log-prob bookkeeping; the profile shows it
-    all_part, none_part = profile.split("=== none")
-    assert "_update_sample_logprobs" in all_part and "_update_sample_logprobs" not in none_part
+    # the "all" batch went through vLLM's per-token log-prob bookkeeping, the "none" batch never did
+    calls = dict(re.findall(r"=== (\w+): _update_sample_logprobs calls (\d+)", profile))
+    assert int(calls["all"]) > 0 and calls["none"] == "0"
 
 
 def test_step_bench_runs_on_the_callers_gpus(monkeypatch):
