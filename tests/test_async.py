@@ -62,7 +62,7 @@ def test_sampler_process_runs_requests_in_order(task, backend):
     # vllm: the engine core runs in a process of its own; the weights reach it packed (pack_tensors)
     from types import SimpleNamespace
 
-    args = SimpleNamespace(hf_batch_size=8, vllm_gpu_memory_utilization=None, vllm_kv_cache_gb=0.25, vllm_enforce_eager=False)
+    args = SimpleNamespace(hf_batch_size=8, vllm_gpu_memory_utilization=None, vllm_kv_cache_gb=0.25, vllm_enforce_eager=None)
     sampler = SamplerProcess(backend, task.sft, "cpu", torch.float32, 0, args)
     try:
         sampling = SamplingSettings(temperature=0.7, max_tokens=8, log_probs=True)
@@ -135,7 +135,7 @@ def test_a_killed_trainer_leaves_no_sampler_or_engine_process_behind(task, tmp_p
         "import sys, time, torch\n"
         "from types import SimpleNamespace\n"
         "from alignment.sampler_process import SamplerProcess\n"
-        "args = SimpleNamespace(hf_batch_size=8, vllm_gpu_memory_utilization=None, vllm_kv_cache_gb=0.25, vllm_enforce_eager=False)\n"
+        "args = SimpleNamespace(hf_batch_size=8, vllm_gpu_memory_utilization=None, vllm_kv_cache_gb=0.25, vllm_enforce_eager=None)\n"
         f"sampler = SamplerProcess('vllm', {str(task.sft)!r}, 'cpu', torch.float32, 0, args)\n"
         "print('SAMPLER_PID', sampler._process.pid, flush=True)\n"
         "time.sleep(600)\n"
