@@ -53,12 +53,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `al
 # as well; with two, RL gained 26-36 points on seeds 0, 1 and 2. SFT microbatches of 16:
 # the same step (the step's examples sorted by length, the loss summed over the step),
 # less padding, 24% faster on a 2-core CPU than one microbatch of 32.
+# RL's update in microbatches of 32 rows, likewise: 1.54 s a step against 2.33 s for one of 128.
 CONFIG = {
     "task": {"num_train": 8000, "num_test": 200, "max_value": 10, "steps": (3,), "bare_answer_fraction": 0.6},
     "model": {"vocab_size": 512, "hidden_size": 256, "num_layers": 4, "intermediate_size": 768},
     "sft": ["--batch_size", "32", "--microbatch_size", "16", "--num_epochs", "2", "--learning_rate", "1e-3",
             "--warmup_steps", "10", "--lr_schedule", "cosine", "--log_every", "50", "--eval_num_examples", "100", "--eval_max_tokens", "72"],
-    "rl": ["--loss_type", "grpo_clip", "--group_size", "8", "--rollout_batch_size", "16", "--train_mini_batch_size", "128",
+    "rl": ["--loss_type", "grpo_clip", "--group_size", "8", "--rollout_batch_size", "16", "--train_mini_batch_size", "32",
            "--learning_rate", "5e-5", "--warmup_steps", "5", "--sampling_max_tokens", "72", "--sampling_min_tokens", "4",
            "--eval_max_tokens", "72", "--max_steps", "40", "--evaluate_freq", "10", "--eval_num_examples", "200",
            "--repetition_penalty", "1.0", "--sampling_temperature", "0.7", "--no-log_reference_kl", "--log_every", "5"],
