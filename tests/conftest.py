@@ -94,13 +94,18 @@ def parity_reward(responses, ground_truths, **_):
 
 def train_rl_command(flags: list[str], reward: str | None = None) -> list[str]:
     """`python -m alignment.train_rl <flags>` in a fresh process; `reward` names a function of this
-    module that replaces the grader there (e.g. "parity_reward")."""
+    module that replaces the grader there (e.g. "parity_reward"); run it with `child_env()`."""
     import sys
 
     script = "import sys\nfrom alignment import train_rl\nfrom alignment.errors import run_cli\n"
     if reward:
-        script += f"sys.path.insert(0, {str(Path(__file__).parent)!r})\nimport conftest\ntrain_rl.grade_responses = conftest.{reward}\n"
+        script += f"import conftest\ntrain_rl.grade_responses = conftest.{reward}\n"
     return [sys.executable, "-c", script + "run_cli(train_rl.main, sys.argv[1:])\n", *flags]
+
+
+def child_env() -> dict:
+    """The environment of a train_rl child process: this folder on its path, so it can import conftest."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(Path(__file__).parent)])}
 
 
 def run_train_rl(flags: list[str], reward: str | None = None, timeout: float = 300.0) -> None:
@@ -108,7 +113,7 @@ def run_train_rl(flags: list[str], reward: str | None = None, timeout: float = 3
     import subprocess
 
     result = subprocess.run(train_rl_command(flags, reward), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                            env=child_env())
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -120,7 +125,7 @@ def kill_train_rl_after_saved_state(flags: list[str], step: int, timeout: float 
     import time
 
     process = subprocess.Popen(train_rl_command(flags, reward), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                               text=True, env=child_env())
     deadline = time.time() + timeout
     for line in process.stdout:
         if line.startswith(f"saved training state at step {step}"):
