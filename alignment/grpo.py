@@ -157,16 +157,13 @@ def compute_gspo_loss(
         loss (B, T), metadata: `clipped` (B, T) (every token of a clipped sequence),
         `ratio` (B, T) = s_i broadcast, `sequence_ratio` (B,).
     """
-    high = cliprange if cliprange_high is None else cliprange_high
     mask = response_mask.bool()
     # where, not a product: a NaN or garbage old log-prob off the response never leaks in
     log_ratio = torch.where(mask, policy_log_probs.detach() - old_log_probs, torch.zeros_like(policy_log_probs))
     sequence_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)
-    ratio = torch.exp(policy_log_probs - policy_log_probs.detach() + sequence_log_ratio[:, None])
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - cliprange, 1.0 + high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    return loss, {"clipped": clipped < unclipped, "ratio": ratio.detach(), "sequence_ratio": sequence_log_ratio.exp()}
+    # grpo_clip's clipped objective, its per-token "old" log-prob chosen so that exp(logp_it - old_it) = s_it
+    loss, metadata = compute_grpo_clip_loss(advantages, policy_log_probs, policy_log_probs.detach() - sequence_log_ratio[:, None], cliprange, cliprange_high)
+    return loss, {**metadata, "sequence_ratio": sequence_log_ratio.exp()}
 
 
 def compute_cispo_loss(

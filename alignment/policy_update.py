@@ -246,13 +246,10 @@ def _train_microbatch(model, batch, rows, step_size, settings: UpdateSettings, m
     input_ids, labels = (batch[key][rows, :width].to(main_device) for key in ("input_ids", "labels"))
     mask = cpu_mask.to(main_device)
     ref = batch["ref_log_probs"][rows, :width].to(main_device) if "ref_log_probs" in batch else None
-    with autocast(main_device, compute_dtype):
-        if settings.entropy_coef:  # the bonus needs an entropy with a gradient: the full-vocabulary path
-            out = log_probs_and_entropy(model, input_ids, labels, settings.scoring_temperature)
-        else:
-            out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=settings.logprob_chunk_size,
-                                         temperature=settings.scoring_temperature, positions=cpu_mask,
-                                         lengths=[lengths[row] for row in rows] if settings.pack_sequences else None)
+    with autocast(main_device, compute_dtype):  # --entropy_coef: the bonus needs an entropy with a gradient (the full-vocabulary path)
+        out = get_response_log_probs(model, input_ids, labels, return_token_entropy=True, chunk_size=settings.logprob_chunk_size,
+                                     temperature=settings.scoring_temperature, positions=cpu_mask,
+                                     lengths=[lengths[row] for row in rows] if settings.pack_sequences else None, entropy_grad=bool(settings.entropy_coef))
     log_probs = out["log_probs"]
     sampler = batch["sampler_log_probs"][rows, :width].to(log_probs.device) if "sampler_log_probs" in batch else None
     if sampler is not None and first_step:
@@ -289,22 +286,6 @@ def _train_microbatch(model, batch, rows, step_size, settings: UpdateSettings, m
     totals["flops"] += update_flops(model.config, [lengths[row] for row in rows], cpu_mask.sum(-1).tolist())
     totals["microbatches"] += 1
     return torch.isfinite(loss)
-
-
-def log_probs_and_entropy(model, input_ids, labels, temperature: float = 1.0) -> dict[str, torch.Tensor]:
-    """(B, T) log-probs of `labels` and the entropy H_t = -sum_v p_v log p_v of each position's
-    tempered distribution, both with a gradient, through the full-vocabulary log-softmax.
-
-    For --entropy_coef: the fused output layer computes its entropy without a gradient
-    (alignment/fused_logprobs.py), so a bonus on it would change the loss's value and not
-    its gradient. This path holds (B, T, V) fp32 logits, as --logprob_chunk_size 0 does.
-    """
-    logits = model(input_ids=input_ids).logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_softmax = torch.log_softmax(logits, dim=-1)
-    return {"log_probs": log_softmax.gather(-1, labels.to(logits.device).unsqueeze(-1)).squeeze(-1),
-            "token_entropy": -(log_softmax.exp() * log_softmax).sum(-1)}
 
 
 def _add_mismatch(sums, trainer, sampler, mask, cap=float("inf")):

@@ -126,6 +126,7 @@ def get_response_log_probs(
     temperature: float = 1.0,
     positions: torch.Tensor | None = None,
     lengths: list[int] | None = None,
+    entropy_grad: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per-token log p(labels | prefix) from a causal LM, at a sampling temperature.
 
@@ -147,10 +148,13 @@ def get_response_log_probs(
         lengths: optional real-token count of each row (positions past it are
             padding). The fused path then packs the rows into one padding-free
             sequence (alignment/packing.py, --pack_sequences); same results.
+        entropy_grad: the entropy keeps its gradient (train_rl --entropy_coef). The
+            fused path computes it without one, so this takes the naive path and holds
+            its (B, T, V) fp32 logits, whatever `chunk_size`.
     Returns:
         {"log_probs": (B, T)} in fp32, plus "token_entropy": (B, T) if asked.
     """
-    if chunk_size and _supports_fused_head(model):
+    if chunk_size and not entropy_grad and _supports_fused_head(model):
         weight = model.get_output_embeddings().weight
         batch, width = input_ids.shape
         labels = labels.to(weight.device).reshape(-1)
@@ -191,7 +195,7 @@ def get_response_log_probs(
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, labels.to(logits.device).unsqueeze(-1)).squeeze(-1)
     result = {"log_probs": log_probs}
     if return_token_entropy:
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             result["token_entropy"] = compute_entropy(logits)
     return result
 
