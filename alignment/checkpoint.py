@@ -101,9 +101,9 @@ def check_output_path(path, flag: str, kind: str) -> None:
     """
     path = Path(path)
     recover_checkpoint(path)
-    problem = ownership_problem(path, kind)
-    if problem == "is a file, not a folder":
+    if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file, not a folder; pass a folder path (nothing was changed)")
+    problem = ownership_problem(path, kind)
     if problem:
         raise UserError(f"{flag} {path} {problem}; pass another path or move them away (nothing was changed)")
     check_writable(path.parent, flag, path)

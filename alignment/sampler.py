@@ -142,7 +142,7 @@ class Sampler:
         """(grouped prompts, grouped truths, generations, weights version that sampled them).
 
         One step off, this step's batch was (usually) sent ahead while the previous one
-        trained; `later_batches` ([(step, prompts)]) go out now, to generate while this one trains.
+        trained; `later_batches` ([(step, prompts, seed)], `batches_ahead`) go out now, to generate while this one trains.
         """
         grouped_prompts, grouped_truths = group_prompts(prompts, ground_truths, group_size)
         if self.ahead:

@@ -193,10 +193,9 @@ def build_models(args, base_model_checkpoint_path, state, policy_version: int, r
     speed, speed_line = resolve_speed_flags(args, roles["policy_main"], ranks.world_size, model.config)
     say("speed: " + speed_line)
     shares_gpu = roles["sample"] in {*roles["policy_layers"], roles["policy_main"], roles["reference"]}
-    if args.rollout_sync_every == 0:  # the seed's frozen sampler samples from the start checkpoint, resumed or not
-        sampler = start_sampler(args, roles["sample"], base_model_checkpoint_path, 0, model, tokenizer, ranks, shares_gpu, dtype, say)
-    else:
-        sampler = start_sampler(args, roles["sample"], start_weights, policy_version, model, tokenizer, ranks, shares_gpu, dtype, say)
+    frozen = args.rollout_sync_every == 0  # the seed's frozen sampler samples from the start checkpoint, resumed or not
+    sampler = start_sampler(args, roles["sample"], base_model_checkpoint_path if frozen else start_weights, 0 if frozen else policy_version,
+                            model, tokenizer, ranks, shares_gpu, dtype, say)
     prepare_policy(model, speed, args.gradient_checkpointing, roles["policy_main"], roles["policy_layers"], ranks, dtype)
     reference_model = None
     if args.kl_coef > 0 or args.old_policy == "reference" or args.log_reference_kl:
@@ -328,9 +327,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
             save_state(args, ranks, model, tokenizer, optimizer, scheduler, {**progress, "epoch": (step - 1) // steps_per_epoch}, run)
         if stopping:
             log.close()
-            saved = (f"the training state of step {step} is in {args.state_dir}; continue with:\n  {resume_command(None)}"
-                     if args.save_state_every else "no training state was saved (--save_state_every 0), so a rerun starts over")
-            raise RunStopped(f"stopped by {stop.name} after step {step}: {saved}", stop.exit_code)
+            raise RunStopped(f"stopped by {stop.name} after step {step}: {resume_hint(args.state_dir)}", stop.exit_code)
 
     if not (eval_metrics and args.evaluate_freq and total_steps % args.evaluate_freq == 0):  # the last step did not evaluate
         eval_metrics, _ = evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, total_steps)
@@ -345,6 +342,13 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     for closing in (log, sampler, ranks):
         closing.close()
     return drop_samples(eval_metrics)
+
+
+def resume_hint(state_dir) -> str:
+    """What a stopped run leaves to continue from: its last training state and the command, or nothing."""
+    if has_training_state(state_dir):
+        return f"the training state of step {state_step(state_dir)} is in {state_dir}; continue with:\n  {resume_command(None)}"
+    return "no training state was saved (--save_state_every 0), so a rerun starts over"
 
 
 def drop_samples(metrics: dict) -> dict:
@@ -408,9 +412,8 @@ def main(argv=None) -> dict:
         try:
             return train(args, base_model_checkpoint_path, run, stop)
         except SamplerProcessError as error:
-            saved = (f"the training state of step {state_step(args.state_dir)} in {args.state_dir} is intact; continue with:\n  {resume_command(None)}"
-                     if has_training_state(args.state_dir) else "no training state was saved (--save_state_every 0), so a rerun starts over")
-            raise RunStopped(f"the sampler process stopped ({str(error).splitlines()[0]}); {saved}", stop.exit_code if stop.received else 1) from None
+            raise RunStopped(f"the sampler process stopped ({str(error).splitlines()[0]}); {resume_hint(args.state_dir)}",
+                             stop.exit_code if stop.received else 1) from None
 
 
 if __name__ == "__main__":
