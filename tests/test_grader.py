@@ -23,10 +23,6 @@ from alignment import drgrpo_grader
 from alignment.data import SPLITS, Gsm8kDataset
 from alignment.drgrpo_grader import CORRECT, FORMATTED_WRONG, UNFORMATTED, grade_responses, r1_zero_reward_fn
 
-# A time-limit alarm that lands in hypothesis's gc callback is swallowed there (pytest
-# reports it as "unraisable"); the repeating alarm then stops the work. By design.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LEGAL_REWARDS = (CORRECT, FORMATTED_WRONG, UNFORMATTED)
 
@@ -335,6 +331,52 @@ def test_hostile_answer_returns_within_a_second(answer):
             elapsed = time.perf_counter() - start
             assert reward in LEGAL_REWARDS
             assert elapsed < 1.0, f"{elapsed:.2f} s"
+
+
+class _SlowFinalizer:
+    """An object whose `__del__` runs long enough for the time limit's first alarm to land in it."""
+
+    def __init__(self, on_delete=None):
+        self.on_delete = on_delete
+
+    def __del__(self):
+        time.sleep(0.3)
+        if self.on_delete:
+            self.on_delete()
+
+
+def _spin_after_finalizer(on_delete=None):
+    _SlowFinalizer(on_delete)  # finalised at once; Python swallows what its __del__ raises
+    while True:
+        pass
+
+
+def test_an_alarm_swallowed_in_a_finalizer_stays_quiet_and_the_next_one_stops_the_work(monkeypatch):
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    started = time.perf_counter()
+    with pytest.raises(drgrpo_grader._GradingTimeout):
+        drgrpo_grader._call_with_time_limit(0.1, _spin_after_finalizer)
+    assert time.perf_counter() - started < 1.0
+    assert reported == []  # our own alarm, swallowed in __del__, is nobody's business
+    assert sys.unraisablehook == reported.append  # the caller's hook is back
+
+
+def test_the_alarm_never_cuts_short_the_hook_that_reports_someone_elses_swallowed_error(monkeypatch):
+    # pytest's hook, slow on a loaded CI machine, was cut short by a repeating alarm and failed the test
+    reported = []
+
+    def slow_hook(unraisable):
+        time.sleep(0.3)  # several ALARM_REPEAT_S long: a live alarm would raise in here
+        reported.append(type(unraisable.exc_value).__name__)
+
+    def raise_in_del():
+        raise ValueError("a finaliser's own error")
+
+    monkeypatch.setattr(sys, "unraisablehook", slow_hook)
+    with pytest.raises(drgrpo_grader._GradingTimeout):
+        drgrpo_grader._call_with_time_limit(0.5, _spin_after_finalizer, raise_in_del)
+    assert reported == ["ValueError"]
 
 
 # Most of these passed the old size guard and made sympy compute a factorial of millions
