@@ -148,9 +148,8 @@ def get_response_log_probs(
         lengths: optional real-token count of each row (positions past it are
             padding). The fused path then packs the rows into one padding-free
             sequence (alignment/packing.py, --pack_sequences); same results.
-        entropy_grad: the entropy keeps its gradient (train_rl --entropy_coef). The
-            fused path computes it without one, so this takes the naive path and holds
-            its (B, T, V) fp32 logits, whatever `chunk_size`.
+        entropy_grad: the entropy keeps its gradient (--entropy_coef): the naive path,
+            whatever `chunk_size` (the fused one computes entropy without a gradient).
     Returns:
         {"log_probs": (B, T)} in fp32, plus "token_entropy": (B, T) if asked.
     """
