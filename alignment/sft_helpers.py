@@ -142,9 +142,8 @@ def get_response_log_probs(
         positions: optional (B, T) bool mask of the positions the caller reads
             (the response mask). The fused path then runs the output layer on those
             positions only and returns 0 elsewhere: prompt and padding positions
-            are ~40% of a GRPO batch, and the output layer with its softmax is the
-            costliest part of a step per position. Pass it on the CPU to keep the
-            device free of a sync. The naive path scores every position.
+            are ~40% of a GRPO batch, and the output layer with its softmax is the costliest
+            part of a step per position. Pass it on the CPU (no device sync). The naive path scores all.
         lengths: optional real-token count of each row (positions past it are
             padding). The fused path then packs the rows into one padding-free
             sequence (alignment/packing.py, --pack_sequences); same results.
