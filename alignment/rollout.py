@@ -295,10 +295,10 @@ class VllmEngine:
     Either way the prefix cache is dropped afterwards: its KV entries were computed
     with the old weights. The same code runs on vLLM 0.26 and 0.32.
 
-    `engine_process=True` (the sampler process of --rollout_staleness) runs vLLM's
-    engine core in a process of its own, so the front end's per-token Python (text,
-    stop strings, log-prob bookkeeping) overlaps the GPU steps instead of adding to
-    them; weights then travel packed (`pack_tensors`: IPC handles, no copy) and the
+    `engine_process=True` (the sampler process of --rollout_staleness on a GPU) runs
+    vLLM's engine core in a process of its own, so the front end's per-token Python
+    (text, stop strings, log-prob bookkeeping) overlaps the GPU steps instead of adding
+    to them; weights then travel packed (`pack_tensors`: IPC handles, no copy) and the
     same two paths run inside the engine-core process.
 
     Only one engine may live in a process at a time: closing one tears down vLLM's

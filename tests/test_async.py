@@ -1,6 +1,7 @@
 """train_rl --rollout_staleness: the sampler in its own process, generating ahead of the
 policy, and the truncated importance sampling that corrects for it (CPU, tiny model)."""
 
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,9 @@ from alignment.errors import UserError
 from alignment.grpo import grpo_microbatch_train_step
 from alignment.rollout import SamplingSettings
 from alignment.sampler_process import RolloutsAhead, SamplerProcess
-from conftest import kill_train_rl_after_saved_state, make_tiny_task, steps_log, train_rl_flags
+from conftest import child_env, kill_train_rl_after_saved_state, make_tiny_task, steps_log, train_rl_flags
+
+SAMPLER_ARGS = SimpleNamespace(hf_batch_size=8, vllm_gpu_memory_utilization=None, vllm_kv_cache_gb=0.25, vllm_enforce_eager=None)
 
 
 @pytest.fixture(scope="module")
@@ -57,28 +60,29 @@ def test_importance_weights_are_one_when_the_sampler_holds_the_trainers_weights(
         assert s["train/tis_capped_fraction"] == 0.0
 
 
-@pytest.mark.parametrize("backend", ["hf", "vllm"])
-def test_sampler_process_runs_requests_in_order(task, backend):
-    # vllm: the engine core runs in a process of its own; the weights reach it packed (pack_tensors)
-    from types import SimpleNamespace
+def check_requests_run_in_order(sampler, model_path) -> None:
+    """A weight load sent after batch 2 reaches the engine after it; the next request sees the new weights."""
+    from safetensors.torch import load_file
 
-    args = SimpleNamespace(hf_batch_size=8, vllm_gpu_memory_utilization=None, vllm_kv_cache_gb=0.25, vllm_enforce_eager=None)
-    sampler = SamplerProcess(backend, task.sft, "cpu", torch.float32, 0, args)
+    sampling = SamplingSettings(temperature=0.7, max_tokens=8, log_probs=True)
+    ahead = RolloutsAhead(sampler)
+    ahead.send(2, ["User: 1 + 1?\nAssistant: <think>"] * 2, sampling, seed=5, weights_version=0)
+    weights = load_file(str(model_path / "model.safetensors"))
+    sampler.load_weights((name, torch.zeros_like(tensor)) for name, tensor in weights.items())
+    generations, version = ahead.take(2, ["User: 1 + 1?\nAssistant: <think>"] * 2, sampling, seed=5, weights_version=1)
+    assert version == 0 and len(generations) == 2 and all(len(g.log_probs) == g.num_tokens for g in generations)
+    assert any(g.num_tokens > 1 for g in generations)  # sampled by the real weights
+    zeroed = sampler.generate(["User: 1 + 1?\nAssistant: <think>"], sampling)
+    # all-zero weights give uniform logits: every token's log-prob is -log(vocab) / T-scaled alike
+    assert len(set(round(lp, 4) for lp in zeroed[0].log_probs)) == 1
+
+
+def test_sampler_process_runs_requests_in_order(task):
+    # HF here; vLLM with its engine core in a process of its own (the weights reach it packed by
+    # pack_tensors) in test_a_killed_trainer_leaves_no_sampler_or_engine_process_behind
+    sampler = SamplerProcess("hf", task.sft, "cpu", torch.float32, 0, SAMPLER_ARGS)
     try:
-        sampling = SamplingSettings(temperature=0.7, max_tokens=8, log_probs=True)
-        ahead = RolloutsAhead(sampler)
-        ahead.send(2, ["User: 1 + 1?\nAssistant: <think>"] * 2, sampling, seed=5, weights_version=0)
-        # a weight load sent after batch 2 reaches the engine after it: batch 2 keeps version 0
-        from safetensors.torch import load_file
-
-        weights = load_file(str(task.sft / "model.safetensors"))
-        sampler.load_weights((name, torch.zeros_like(tensor)) for name, tensor in weights.items())
-        generations, version = ahead.take(2, ["User: 1 + 1?\nAssistant: <think>"] * 2, sampling, seed=5, weights_version=1)
-        assert version == 0 and len(generations) == 2 and all(len(g.log_probs) == g.num_tokens for g in generations)
-        assert any(g.num_tokens > 1 for g in generations)  # sampled by the real weights
-        zeroed = sampler.generate(["User: 1 + 1?\nAssistant: <think>"], sampling)
-        # all-zero weights give uniform logits: every token's log-prob is -log(vocab) / T-scaled alike
-        assert len(set(round(lp, 4) for lp in zeroed[0].log_probs)) == 1
+        check_requests_run_in_order(sampler, task.sft)
     finally:
         sampler.close()
     assert not sampler._process.is_alive()
@@ -131,24 +135,26 @@ def test_a_killed_trainer_leaves_no_sampler_or_engine_process_behind(task, tmp_p
     import sys
     import time
 
+    # Before it is killed, the trainer checks that requests run in order through vLLM's engine core
+    # in its own process (one engine start serves both checks).
     script = (
-        "import sys, time, torch\n"
-        "from types import SimpleNamespace\n"
+        "import time, torch\n"
+        "from pathlib import Path\n"
         "from alignment.sampler_process import SamplerProcess\n"
-        "args = SimpleNamespace(hf_batch_size=8, vllm_gpu_memory_utilization=None, vllm_kv_cache_gb=0.25, vllm_enforce_eager=None)\n"
-        f"sampler = SamplerProcess('vllm', {str(task.sft)!r}, 'cpu', torch.float32, 0, args)\n"
-        "print('SAMPLER_PID', sampler._process.pid, flush=True)\n"
+        "from test_async import SAMPLER_ARGS, check_requests_run_in_order\n"
+        f"sampler = SamplerProcess('vllm', {str(task.sft)!r}, 'cpu', torch.float32, 0, SAMPLER_ARGS, engine_process=True)\n"
+        f"check_requests_run_in_order(sampler, Path({str(task.sft)!r}))\n"
+        "print('IN_ORDER SAMPLER_PID', sampler._process.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
     log = open(tmp_path / "trainer.log", "w+")  # not a pipe: a full pipe would block the sampler's last words
-    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path),
-                               env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[1])})
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path), env=child_env())
     try:
         started = time.monotonic()
-        while "SAMPLER_PID" not in (text := (tmp_path / "trainer.log").read_text()):  # vLLM logs to stdout too
-            assert trainer.poll() is None and time.monotonic() - started < 300, "the trainer ended before its sampler started:\n" + text[-2000:]
+        while "IN_ORDER SAMPLER_PID" not in (text := (tmp_path / "trainer.log").read_text()):  # vLLM logs to stdout too
+            assert trainer.poll() is None and time.monotonic() - started < 300, "the trainer ended before its checks passed:\n" + text[-3000:]
             time.sleep(0.2)
-        sampler_pid = int(text.split("SAMPLER_PID", 1)[1].split()[0])
+        sampler_pid = int(text.split("IN_ORDER SAMPLER_PID", 1)[1].split()[0])
         engine_pids = _children(sampler_pid)
         assert engine_pids, "vLLM's engine core should run as the sampler process's child"
         trainer.send_signal(signal.SIGKILL)
