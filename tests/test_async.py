@@ -45,6 +45,7 @@ def test_staleness_stays_within_the_bound(task, staleness):
     assert (task.root / name / "rl" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["hf", "vllm"])
 def test_importance_weights_are_one_when_the_sampler_holds_the_trainers_weights(task, backend):
     # lr so small that no fp32 weight moves: the sampler one step behind holds the same weights
@@ -126,6 +127,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
 def test_a_killed_trainer_leaves_no_sampler_or_engine_process_behind(task, tmp_path):
     # the sampler process is no daemon (vLLM's engine core is its child): it must notice a
@@ -168,6 +170,7 @@ def test_a_killed_trainer_leaves_no_sampler_or_engine_process_behind(task, tmp_p
         trainer.kill()
 
 
+@pytest.mark.slow
 def test_a_killed_one_step_off_run_resumes_and_restarts_its_pipeline(task):
     # SIGKILL after the step-2 state is saved (batch 3 was already generating), then --resume:
     # the run finishes its 4 steps, and its first resumed batch comes from the resumed weights

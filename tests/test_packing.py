@@ -88,6 +88,7 @@ def test_packed_update_takes_the_padded_update_step(task, batch):
     assert torch.allclose(packed_delta, padded_delta, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_packed_update_under_compiled_layers_equals_eager(task, batch):
     """--torch_compile's per-layer graphs (dynamic shapes) around the packed attention."""
     eager, eager_delta = one_update(task, batch, pack=True)
@@ -123,6 +124,7 @@ def test_packed_scoring_equals_padded_scoring(task, batch):
     assert (padded * batch["response_mask"]).abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_train_rl_with_packing_scores_and_steps_like_the_padded_run(task):
     """End to end: the policy update and the reference model's scoring pass (KL) both packed.
     Step 1 sees the same rollouts in both runs, so its metrics agree; every step finishes."""

@@ -78,6 +78,7 @@ def flags(pipeline, name, *extra):
     return train_rl_flags(pipeline, name, "--max_steps", "4", *extra)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_an_uninterrupted_run(pipeline):
     # Every run in a fresh process, as a user's would be (an in-process run inherits this test
     # process's thread settings and compiled kernels from earlier tests), with a reward the
@@ -172,6 +173,7 @@ adversarial_answer = st.one_of(
 LEGAL = [CORRECT, FORMATTED_WRONG, UNFORMATTED]
 
 
+@pytest.mark.timed
 @settings(max_examples=2500, deadline=None, suppress_health_check=list(HealthCheck))
 @given(answer=adversarial_answer, truth=st.one_of(st.sampled_from(["18", "\\frac{1}{2}", "\\sqrt{2}", "-5", "(1,2)"]), adversarial_answer))
 def test_grader_fuzz_thousands_of_adversarial_answers(answer, truth):
@@ -181,6 +183,7 @@ def test_grader_fuzz_thousands_of_adversarial_answers(answer, truth):
     assert result in LEGAL
 
 
+@pytest.mark.timed
 def test_grader_on_huge_inputs_is_bounded():
     for response in ("</think> <answer> " + "1+" * 500_000 + "1 </answer>", "\x00" * 1_000_000, "{" * 100_000 + "</think> <answer> }</answer>"):
         started = time.perf_counter()

@@ -77,6 +77,7 @@ def test_existing_checkpoint_is_only_evaluated(pipeline, capsys):
     assert written["num_examples"] == 8 and written["avg_all_rewards"] == metrics["avg_all_rewards"]
 
 
+@pytest.mark.slow
 def test_fresh_eval_engine_runs_in_a_child_process(pipeline):
     """--eval_engine fresh: the seed's save-then-temporary-vLLM path."""
     name = "fresh_eval"
