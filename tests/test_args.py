@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -11,8 +10,7 @@ from alignment import evaluate, train_rl, train_sft
 from alignment.args import parse_rl_args
 from alignment.errors import run_cli
 from alignment.toy.synthetic_task import write_synthetic_gsm8k
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from conftest import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +46,24 @@ def _fails_with(main, argv, capsys, pattern):
         (["--pack_sequences", "--logprob_chunk_size", "0"], "--pack_sequences runs through the fused log-prob path"),
         (["--pack_sequences", "--gradient_checkpointing"], "--pack_sequences does not combine with --gradient_checkpointing"),
         (["--microbatch_tokens", "4096", "--policy_parallel", "fsdp"], "--microbatch_tokens 4096 gives each FSDP rank its own microbatch count"),
+        # the objective flags (GSPO, DAPO, entropy, KL, mismatch corrections, pass@k)
+        (["--loss_type", "gspo", "--length_normalization", "constant"], "--loss_type gspo averages one ratio per response"),
+        (["--dynamic_sampling", "--rollout_staleness", "1"], "--dynamic_sampling samples extra rounds in step"),
+        (["--dynamic_sampling", "--loss_type", "no_baseline"], "--dynamic_sampling drops groups"),
+        (["--max_sampling_rounds", "0"], "--max_sampling_rounds: must be a positive integer"),
+        (["--overlong", "penalty"], "--overlong penalty needs --overlong_buffer in [1, --sampling_max_tokens 1024]"),
+        (["--overlong", "penalty", "--overlong_buffer", "2000"], "--overlong penalty needs --overlong_buffer"),
+        (["--overlong_buffer", "8"], "--overlong_buffer 8 only shapes --overlong penalty"),
+        (["--overlong", "drop"], "--overlong: invalid choice"),
+        (["--entropy_coef", "-0.1"], "--entropy_coef: must be a number >= 0"),
+        (["--kl_in", "reward"], "--kl_in reward shapes the KL penalty: it needs --kl_coef > 0"),
+        (["--kl_estimator", "k1"], "--kl_estimator k1 shapes the KL penalty"),
+        (["--mismatch_correction", "token_mask"], "--mismatch_correction token_mask corrects rollouts sampled ahead"),
+        (["--mismatch_correction", "token_mask", "--rollout_staleness", "1", "--tis_cap", "1"], "it needs --tis_cap c > 1"),
+        (["--mismatch_correction", "sequence_tis", "--rollout_staleness", "1"], "--mismatch_correction sequence_tis reweights the REINFORCE losses"),
+        (["--eval_pass_k", "4"], "--eval_pass_k 4 needs --eval_samples N >= 4"),
+        (["--eval_samples", "2", "--eval_pass_k", "3"], "--eval_pass_k 3 exceeds --eval_samples 2"),
+        (["--eval_samples", "2", "--sampling_temperature", "0"], "--eval_samples 2 at temperature 0"),
     ],
 )
 def test_rl_flag_validation(flags, pattern, capsys, toy_data):
@@ -70,6 +86,7 @@ def test_sft_and_eval_validation(capsys, toy_data, tmp_path):
     _fails_with(train_sft.main, ["--data_dir", str(toy_data), "--model", str(tmp_path / "none")], capsys, "--model")
     _fails_with(evaluate.main, ["--data_dir", str(toy_data), "--model_path", str(tmp_path / "none")], capsys, "--model_path")
     _fails_with(evaluate.main, ["--data_dir", str(toy_data), "--model_path", "x", "--min_tokens", "9", "--max_tokens", "3"], capsys, "--min_tokens 9 exceeds --max_tokens 3")
+    _fails_with(evaluate.main, ["--data_dir", str(toy_data), "--model_path", "x", "--samples", "2", "--pass_k", "3"], capsys, "--pass_k 3 exceeds --samples 2")
 
 
 def test_no_baseline_forces_group_size_one(toy_data):

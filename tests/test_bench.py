@@ -4,11 +4,10 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from conftest import REPO_ROOT
 
 
 def run_bench(script, out, *flags):

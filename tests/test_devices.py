@@ -16,24 +16,14 @@ def seed_args(**overrides):
     return SimpleNamespace(**values)
 
 
-def test_partition_on_eight_gpus_is_the_seeds():
-    main, layers = partition_model_across_devices(seed_args(), num_layers=28, num_gpus=8)
-    # GPUs 0-4 are left; ceil(28 / 5) = 6 layers each, the last GPU gets the remaining 4
-    assert main == "cuda:0"
-    assert layers == ["cuda:0"] * 6 + ["cuda:1"] * 6 + ["cuda:2"] * 6 + ["cuda:3"] * 6 + ["cuda:4"] * 4
-
-
-def test_partition_on_five_gpus_leaves_two_for_the_policy():
-    args = seed_args(sample_device="cuda:4", reference_model_device="cuda:3", eval_device="cuda:2")
-    main, layers = partition_model_across_devices(args, num_layers=7, num_gpus=5)
-    assert main == "cuda:0"
-    assert layers == ["cuda:0"] * 4 + ["cuda:1"] * 3
-
-
-def test_partition_on_two_gpus_with_shared_roles():
-    args = seed_args(sample_device="cuda:1", reference_model_device="cuda:1", eval_device="cuda:1")
-    main, layers = partition_model_across_devices(args, num_layers=4, num_gpus=2)
-    assert (main, layers) == ("cuda:0", ["cuda:0"] * 4)
+@pytest.mark.parametrize("roles, num_layers, num_gpus, layers", [
+    # the seed's 8 GPUs: 0-4 are left; ceil(28 / 5) = 6 layers each, the last GPU gets the remaining 4
+    ({}, 28, 8, ["cuda:0"] * 6 + ["cuda:1"] * 6 + ["cuda:2"] * 6 + ["cuda:3"] * 6 + ["cuda:4"] * 4),
+    ({"sample_device": "cuda:4", "reference_model_device": "cuda:3", "eval_device": "cuda:2"}, 7, 5, ["cuda:0"] * 4 + ["cuda:1"] * 3),
+    ({"sample_device": "cuda:1", "reference_model_device": "cuda:1", "eval_device": "cuda:1"}, 4, 2, ["cuda:0"] * 4),  # shared roles
+], ids=["eight_gpus_is_the_seeds", "five_gpus_leave_two_for_the_policy", "two_gpus_with_shared_roles"])
+def test_partition_across_the_gpus_left(roles, num_layers, num_gpus, layers):
+    assert partition_model_across_devices(seed_args(**roles), num_layers=num_layers, num_gpus=num_gpus) == ("cuda:0", layers)
 
 
 def test_partition_with_no_gpu_left_is_a_clear_error():

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_task, steps_log, train_rl_flags
+from conftest import REPO_ROOT, make_tiny_task, steps_log, train_rl_flags
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from decimal import Decimal
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,11 +21,11 @@ from hypothesis import strategies as st
 from alignment import drgrpo_grader
 from alignment.data import SPLITS, Gsm8kDataset
 from alignment.drgrpo_grader import CORRECT, FORMATTED_WRONG, UNFORMATTED, grade_responses, r1_zero_reward_fn
+from conftest import REPO_ROOT
 
 # the time-limit tests assert wall-clock bounds, and the rest share their worker pool
 pytestmark = pytest.mark.timed
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 LEGAL_REWARDS = (CORRECT, FORMATTED_WRONG, UNFORMATTED)
 
 

@@ -13,7 +13,7 @@ import torch
 from alignment import evaluate, train_rl
 from alignment.args import RUN_DEFINING_FLAGS, check_resume_flags, parse_eval_args, parse_rl_args
 from alignment.distributed import SingleProcess
-from alignment.errors import UserError, run_cli
+from alignment.errors import UserError
 from alignment.evaluate import add_pass_at_k, correct_counts, pass_at_k
 from alignment.grpo import (
     compute_cispo_loss,
@@ -425,37 +425,6 @@ def task(tmp_path_factory):
     return make_tiny_task(tmp_path_factory.mktemp("objectives"), num_train=16, num_test=4, seed=3)
 
 
-def _one_line_error(main, argv, capsys, pattern):
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli(main, argv)
-    err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
-    assert pattern in err, err
-
-
-@pytest.mark.parametrize("flags, pattern", [
-    (["--loss_type", "gspo", "--length_normalization", "constant"], "--loss_type gspo averages one ratio per response"),
-    (["--dynamic_sampling", "--rollout_staleness", "1"], "--dynamic_sampling samples extra rounds in step"),
-    (["--dynamic_sampling", "--loss_type", "no_baseline"], "--dynamic_sampling drops groups"),
-    (["--max_sampling_rounds", "0"], "--max_sampling_rounds: must be a positive integer"),
-    (["--overlong", "penalty"], "--overlong penalty needs --overlong_buffer in [1, --sampling_max_tokens 1024]"),
-    (["--overlong", "penalty", "--overlong_buffer", "2000"], "--overlong penalty needs --overlong_buffer"),
-    (["--overlong_buffer", "8"], "--overlong_buffer 8 only shapes --overlong penalty"),
-    (["--overlong", "drop"], "--overlong: invalid choice"),
-    (["--entropy_coef", "-0.1"], "--entropy_coef: must be a number >= 0"),
-    (["--kl_in", "reward"], "--kl_in reward shapes the KL penalty: it needs --kl_coef > 0"),
-    (["--kl_estimator", "k1"], "--kl_estimator k1 shapes the KL penalty"),
-    (["--mismatch_correction", "token_mask"], "--mismatch_correction token_mask corrects rollouts sampled ahead"),
-    (["--mismatch_correction", "token_mask", "--rollout_staleness", "1", "--tis_cap", "1"], "it needs --tis_cap c > 1"),
-    (["--mismatch_correction", "sequence_tis", "--rollout_staleness", "1"], "--mismatch_correction sequence_tis reweights the REINFORCE losses"),
-    (["--eval_pass_k", "4"], "--eval_pass_k 4 needs --eval_samples N >= 4"),
-    (["--eval_samples", "2", "--eval_pass_k", "3"], "--eval_pass_k 3 exceeds --eval_samples 2"),
-    (["--eval_samples", "2", "--sampling_temperature", "0"], "--eval_samples 2 at temperature 0"),
-])
-def test_bad_objective_flags_are_one_line_naming_the_flag(task, capsys, flags, pattern):
-    _one_line_error(train_rl.main, ["--data_dir", str(task.data), *flags], capsys, pattern)
-
-
 def test_good_combinations_parse_and_resume_refuses_a_changed_objective(task):
     args = parse_rl_args(["--data_dir", str(task.data), "--loss_type", "cispo", "--dynamic_sampling", "--overlong", "penalty", "--overlong_buffer", "256",
                           "--kl_coef", "0.01", "--kl_in", "reward", "--kl_estimator", "k2", "--entropy_coef", "0.001", "--eval_samples", "8", "--eval_pass_k", "4"])
@@ -471,7 +440,6 @@ def test_good_combinations_parse_and_resume_refuses_a_changed_objective(task):
 
 def test_evaluate_cli_pass_at_k_flags(task, capsys, tmp_path):
     base = ["--model_path", str(task.sft), "--data_dir", str(task.data)]
-    _one_line_error(evaluate.main, base + ["--samples", "2", "--pass_k", "3"], capsys, "--pass_k 3 exceeds --samples 2")
     with pytest.raises(SystemExit):
         parse_eval_args(["--help"])
     assert "--pass_k" in capsys.readouterr().out

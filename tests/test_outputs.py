@@ -21,9 +21,8 @@ import pytest
 from alignment import checkpoint, evaluate, train_rl, train_sft
 from alignment.checkpoint import MANIFEST_NAME, OutputLock, has_training_state, read_manifest, verify_manifest, write_atomically
 from alignment.errors import UserError
-from conftest import make_tiny_task, steps_log, train_rl_flags
+from conftest import REPO_ROOT, make_tiny_task, steps_log, train_rl_flags
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
 
 

@@ -15,9 +15,8 @@ from safetensors.torch import load_file
 from alignment import train_rl
 from alignment.checkpoint import has_training_state, recover_checkpoint, save_model_atomically
 from alignment.errors import UserError
-from conftest import kill_train_rl_after_saved_state, make_tiny_task, run_train_rl, steps_log, train_rl_flags
+from conftest import REPO_ROOT, kill_train_rl_after_saved_state, make_tiny_task, run_train_rl, steps_log, train_rl_flags
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 SLOW_SAVE = """
 import sys, time, torch
