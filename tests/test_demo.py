@@ -56,10 +56,11 @@ def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path):
     written = json.loads((tmp_path / "runs" / "summary.json").read_text())
     assert written == json.loads(json.dumps(summary))
     assert written["overrides"] == {"num_train": 1200, "num_test": 48, "sft_epochs": 1, "rl_steps": 2}
-    for key in ("base_accuracy", "sft_accuracy", "rl_accuracy", "format_rate_sft", "format_rate_rl", "num_test_examples", "seconds_total", "backend"):
+    for key in ("base_accuracy", "sft_accuracy", "rl_accuracy", "format_rate_sft", "format_rate_rl", "num_test_examples", "seconds_total", "backend", "eval_backend"):
         assert key in written, key
     assert written["num_test_examples"] == 48
-    assert written["backend"] == ("vllm" if demo.vllm_available() else "hf")
+    assert written["backend"] == ("vllm" if demo.vllm_available() else "hf")  # train_rl's rollouts
+    assert written["eval_backend"] == "hf" and json.loads((tmp_path / "runs" / "eval_sft" / "metrics.json").read_text())["backend"] == "hf"
     assert written["base_accuracy"] == 0.0  # a random model never closes the r1_zero format
     assert written["format_rate_sft"] > 0.9
     assert written["sft_accuracy"] > written["base_accuracy"]  # one SFT epoch on 1200 problems: ~0.1
