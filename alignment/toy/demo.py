@@ -1,4 +1,4 @@
-"""The embedded default: the whole pipeline on a 2-core CPU in 5-12 minutes, where RL visibly learns.
+"""The embedded default: the whole pipeline on a 2-core CPU in 7-17 minutes, where RL visibly learns.
 
     make demo                      # or: python -m alignment.toy.demo
     tensorboard --logdir runs/demo
@@ -19,8 +19,8 @@ What RL learns here. Every problem takes three steps ("has 7, on Monday gets 5
 more, on Tuesday gives away 3, on Wednesday ..."). Four in ten SFT demonstrations
 show the worked steps; the other six state only the final number, like a teacher
 who often skips the working. SFT imitates both styles, and greedy decoding of the
-SFT model answers straight away, which this model gets right one time in five to
-one in three: adding four numbers in one forward pass is beyond it. Worked steps are right
+SFT model answers straight away, which this model gets right one time in four to
+one in two: adding four numbers in one forward pass is beyond it. Worked steps are right
 far more often. RL samples both styles, and since only correct answers earn reward
 it learns to write the steps: within a few dozen steps the response length grows
 from ~14 to ~65 tokens and accuracy follows (tensorboard: train/response_length
@@ -50,16 +50,18 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `al
 # written, and a penalty would also make rollouts off-policy for the loss.
 # Rollouts at temperature 0.7: at 1.0 the sampled worked answers of a weaker SFT model
 # (seed 1) were no more often right than bare ones (0.26 vs 0.25), so RL had nothing to
-# prefer; at 0.7 the steps pay and RL switches to them. Two SFT epochs: three gave a
-# stronger SFT model (0.515 on seed 0) for 50% more SFT time, and RL climbed from it
-# as well; with two, RL gained 26-36 points on seeds 0, 1 and 2. SFT microbatches of 16:
+# prefer; at 0.7 the steps pay and RL switches to them. Three SFT epochs: after two,
+# one CPU's seed-1 SFT model answered bare and right more often (0.380) and wrote steps
+# too poorly for them to pay (RL +10.5 points; +26 to +41 on the other seeds and on
+# another CPU); after two and a half (625 steps) seed 2 there gained 12.5; after three,
+# 30-44 points on seeds 0, 1 and 2 there, for 50% more SFT time than two. SFT microbatches of 16:
 # the same step (the step's examples sorted by length, the loss summed over the step),
 # less padding, 24% faster on a 2-core CPU than one microbatch of 32.
 # RL's update in microbatches of 32 rows, likewise: 1.54 s a step against 2.33 s for one of 128.
 CONFIG = {
     "task": {"num_train": 8000, "num_test": 200, "max_value": 10, "steps": (3,), "bare_answer_fraction": 0.6},
     "model": {"vocab_size": 512, "hidden_size": 256, "num_layers": 4, "intermediate_size": 768},
-    "sft": ["--batch_size", "32", "--microbatch_size", "16", "--num_epochs", "2", "--learning_rate", "1e-3",
+    "sft": ["--batch_size", "32", "--microbatch_size", "16", "--num_epochs", "3", "--learning_rate", "1e-3",
             "--warmup_steps", "10", "--lr_schedule", "cosine", "--log_every", "50", "--eval_num_examples", "100", "--eval_max_tokens", "72"],
     "rl": ["--loss_type", "grpo_clip", "--group_size", "8", "--rollout_batch_size", "16", "--train_mini_batch_size", "32",
            "--learning_rate", "5e-5", "--warmup_steps", "5", "--sampling_max_tokens", "72", "--sampling_min_tokens", "4",
