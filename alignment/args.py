@@ -457,6 +457,9 @@ def build_sft_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_train_examples", type=_positive_int, default=None, help="use only the first N training examples")
     parser.add_argument("--batch_size", type=_positive_int, default=32, help="examples per optimizer step")
     parser.add_argument("--microbatch_size", type=_positive_int, default=8, help="examples per forward/backward; gradient accumulation = batch_size / microbatch_size")
+    parser.add_argument("--microbatch_tokens", type=_non_negative_int, default=0,
+                        help="cut each step's length-sorted examples into microbatches of as many as fit N padded tokens (rows x the longest) instead of "
+                             "--microbatch_size rows: short examples share a microbatch, long ones get less padding; the gradient is the same. 0 = rows")
     parser.add_argument("--num_epochs", type=_positive_int, default=1, help="passes over the training examples")
     parser.add_argument("--max_steps", type=_positive_int, default=None, help="stop after this many optimizer steps")
     parser.add_argument("--learning_rate", type=_positive_float, default=2e-5, help="peak AdamW learning rate")
@@ -477,9 +480,8 @@ def build_sft_parser() -> argparse.ArgumentParser:
 
 def parse_sft_args(argv=None) -> argparse.Namespace:
     args = build_sft_parser().parse_args(argv)
-    if args.batch_size % args.microbatch_size:
+    if args.batch_size % args.microbatch_size and not args.microbatch_tokens:
         raise UserError(f"--microbatch_size {args.microbatch_size} must divide --batch_size {args.batch_size}")
-    args.gradient_accumulation_steps = args.batch_size // args.microbatch_size
     _check_data_dir(args.data_dir)
     return args
 

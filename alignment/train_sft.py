@@ -30,6 +30,7 @@ from alignment.errors import RunStopped, UserError, run_cli
 from alignment.interrupts import StopOnSignal
 from alignment.evaluate import evaluate_math
 from alignment.optim import build_optimizer, build_scheduler
+from alignment.policy_update import microbatches
 from alignment.precision import autocast, master_dtype
 from alignment.precision import describe as describe_precision
 from alignment.rollout import HfEngine, SamplingSettings, load_hf_model, load_tokenizer
@@ -83,18 +84,18 @@ def train(args, stop: StopOnSignal | None = None) -> dict:
             if step >= total_steps:
                 break
             started = time.perf_counter()
-            # sort the step's examples by length so microbatches carry little padding;
-            # equal-size microbatches make the summed gradient independent of order
+            # sort the step's examples by length so microbatches carry little padding; each
+            # microbatch's mean is weighted by its share of the step, so the gradient is the sum
+            # over the step's examples / batch_size however they are cut (rows or --microbatch_tokens)
             batch = sorted(order[batch_start : batch_start + args.batch_size], key=lambda i: lengths[i])
             loss_total, nll_total, token_total = 0.0, 0.0, 0
-            for micro_start in range(0, len(batch), args.microbatch_size):
-                indices = batch[micro_start : micro_start + args.microbatch_size]
+            for indices in microbatches(batch, lengths, args.microbatch_size, args.microbatch_tokens):
                 tokens = tokenize_prompt_and_output([dataset.prompts[i] for i in indices], [dataset.completions[i] for i in indices], tokenizer)
                 input_ids, labels, mask = (tokens[k].to(device) for k in ("input_ids", "labels", "response_mask"))
                 positions = tokens["response_mask"]  # the prompt is not scored (on the CPU: no device sync)
                 with autocast(device, dtype):
                     log_probs = get_response_log_probs(model, input_ids, labels, chunk_size=args.logprob_chunk_size, positions=positions)["log_probs"]
-                loss, meta = sft_microbatch_train_step(log_probs, mask, args.gradient_accumulation_steps, args.normalize_constant)
+                loss, meta = sft_microbatch_train_step(log_probs, mask, args.batch_size / len(indices), args.normalize_constant)
                 loss_total += loss.item()
                 nll_total += -(log_probs.detach() * mask).sum().item()
                 token_total += int(meta["num_response_tokens"])

@@ -44,6 +44,39 @@ def test_sft_lowers_the_loss_and_saves_a_checkpoint_both_backends_load(task):
         engine.close()
 
 
+def test_sft_microbatches_cut_by_tokens_give_the_same_update_as_rows(task, monkeypatch):
+    """--microbatch_tokens: each microbatch's mean loss is weighted by its share of the step, so
+    one row at a time, rows of 8 and the whole step at once train the same weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    calls = []
+    scored = train_sft.get_response_log_probs
+
+    def counting(model, input_ids, *args, **kwargs):
+        calls.append(input_ids.shape[0])
+        return scored(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(train_sft, "get_response_log_probs", counting)
+    weights, rows_per_call = {}, {}
+    for name, cut in (("rows", ["--microbatch_size", "8"]), ("one_token", ["--microbatch_tokens", "1"]),
+                      ("uneven", ["--microbatch_tokens", "700"]), ("whole_step", ["--microbatch_tokens", "1000000"])):
+        calls.clear()
+        train_sft.main([
+            "--model", str(task.sft), "--checkpoint_path", str(task.root / f"cut_{name}"), "--data_dir", str(task.data), "--log_dir", str(task.root / "runs"),
+            "--run_name", f"cut_{name}", "--batch_size", "16", "--max_steps", "2", "--learning_rate", "3e-3", "--eval_num_examples", "1", "--eval_max_tokens", "1", *cut,
+        ])
+        weights[name], rows_per_call[name] = load_file(task.root / f"cut_{name}" / "model.safetensors"), list(calls)
+    uneven = rows_per_call.pop("uneven")
+    assert rows_per_call == {"rows": [8] * 4, "one_token": [1] * 32, "whole_step": [16] * 2}
+    assert sum(uneven) == 32 and len(set(uneven)) > 1, uneven  # microbatches of different sizes in each step
+    base = load_file(task.sft / "model.safetensors")
+    for key, value in weights["rows"].items():
+        assert (value - base[key]).abs().max() > 1e-3, key  # two steps at 3e-3 moved every tensor
+        for name in ("one_token", "uneven", "whole_step"):
+            torch.testing.assert_close(weights[name][key], value, rtol=1e-4, atol=1e-5)
+
+
 class FakeEngine:
     """Returns fixed responses: the metrics are known by hand."""
 
