@@ -4,7 +4,9 @@
 
 Loss: negative log-likelihood of the completion tokens only (prompt masked), summed
 per sequence and divided by `--normalize_constant` (CS336 convention), averaged
-over the batch, accumulated over microbatches. AdamW, clip 1.0, warm-up then
+over the batch, accumulated over microbatches (--microbatch_size rows, or as many
+length-sorted rows as fit --microbatch_tokens padded tokens: the same gradient, less
+padding when lengths differ). AdamW, clip 1.0, warm-up then
 cosine. fp32 master weights with bf16 compute on GPU (--no-fp32_master_weights:
 pure bf16, where AdamW at lr 2e-5 keeps only about a quarter of its updates),
 fp32 on CPU. The checkpoint is an ordinary Hugging Face

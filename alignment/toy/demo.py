@@ -24,8 +24,9 @@ one in two: adding four numbers in one forward pass is beyond it. Worked steps a
 far more often. RL samples both styles, and since only correct answers earn reward
 it learns to write the steps: within 10-20 steps the greedy answers grow from
 ~11-17 to ~65 tokens and accuracy follows (tensorboard: eval/* next to
-train/response_length, where the sampled answers grow from ~30 to ~50 tokens). With half the demonstrations bare, whether greedy SFT
-answered bare or worked varied from seed to seed; at six in ten it answered bare.
+train/response_length, where the sampled answers grow from ~30 to ~50 tokens).
+With half the demonstrations bare, whether greedy SFT answered bare or worked
+varied from seed to seed; at six in ten it answered bare.
 """
 
 import argparse
