@@ -20,7 +20,7 @@ from alignment.fused_logprobs import use_compiled_chunk_math
 from alignment.grpo import RATIO_LOSSES, grpo_microbatch_train_step, mismatch_weights
 from alignment.precision import autocast
 from alignment.rollout import load_hf_model
-from alignment.sft_helpers import get_response_log_probs
+from alignment.sft_helpers import chunks, get_response_log_probs, microbatches
 
 
 def prepare_policy(model, speed: dict, gradient_checkpointing: bool, main_device, layer_devices, ranks, compute_dtype) -> None:
@@ -203,7 +203,7 @@ def update_policy(model, optimizer, scheduler, batch, settings: UpdateSettings, 
     sums["mismatch"] = None  # the sampler/trainer gap: device-side sums, read once at the end
     for epoch in range(settings.epochs_per_rollout_batch):
         order = torch.randperm(n_rollouts, generator=generator).tolist() if settings.epochs_per_rollout_batch > 1 else list(range(n_rollouts))
-        for step_rows in _chunks(order, settings.train_batch_size):
+        for step_rows in chunks(order, settings.train_batch_size):
             if sort_by_length:
                 step_rows = sorted(step_rows, key=lambda row: lengths[row])
             finite = torch.ones((), dtype=torch.bool, device=main_device)
@@ -302,32 +302,6 @@ def _add_mismatch(sums, trainer, sampler, mask, cap=float("inf")):
 def empty_totals() -> dict:
     return {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "flops": 0.0, "optimizer_steps": 0, "skipped_steps": 0, "microbatches": 0,
             "sampler_abs_diff": 0.0, "sampler_ratio": 0.0, "sampler_ratio_max": 0.0, "sampler_tokens": 0.0, "tis_capped": 0.0}
-
-
-def microbatches(rows: list[int], lengths: list[int], size: int, token_budget: int = 0, packed: bool = False) -> list[list[int]]:
-    """`rows` cut, in order, into microbatches of `size` rows, or with `token_budget` into runs
-    of as many consecutive rows as fit the budget in computed tokens: the real tokens when
-    the rows are packed, rows x the longest row when padded. A row longer than the budget runs
-    alone. On length-sorted rows this holds the work per microbatch near the budget, where a
-    row count gives the short rows small microbatches and the long ones the memory peak."""
-    if not token_budget:
-        return _chunks(rows, size)
-    groups, current, tokens, longest = [], [], 0, 0
-    for row in rows:
-        n = lengths[row]
-        cost = tokens + n if packed else (len(current) + 1) * max(longest, n)
-        if current and cost > token_budget:
-            groups.append(current)
-            current, tokens, longest = [], 0, 0
-        current.append(row)
-        tokens, longest = tokens + n, max(longest, n)
-    if current:
-        groups.append(current)
-    return groups
-
-
-def _chunks(items, size):
-    return [items[start : start + size] for start in range(0, len(items), size)]
 
 
 def sequence_lengths(mask) -> list[int]:

@@ -2,7 +2,7 @@
 
 Shared by SFT and RL. `tokenize_prompt_and_output`, `compute_entropy`,
 `get_response_log_probs` and `sft_microbatch_train_step` follow the CS336
-assignment-5 names and shapes. Every (B, T) tensor is aligned with `labels`:
+assignment-5 names and shapes; `microbatches` cuts a step's rows by count or by tokens. Every (B, T) tensor is aligned with `labels`:
 position t scores token t+1 of the full sequence.
 """
 
@@ -214,3 +214,30 @@ def sft_microbatch_train_step(
     loss = per_sequence.mean() / gradient_accumulation_steps
     loss.backward()
     return loss.detach(), {"num_response_tokens": response_mask.sum().detach()}
+
+
+def microbatches(rows: list[int], lengths: list[int], size: int, token_budget: int = 0, packed: bool = False) -> list[list[int]]:
+    """`rows` cut, in order, into microbatches of `size` rows, or with `token_budget` into runs
+    of as many consecutive rows as fit the budget in computed tokens: the real tokens when
+    the rows are packed, rows x the longest row when padded. A row longer than the budget runs
+    alone. On length-sorted rows this holds the work per microbatch near the budget, where a
+    row count gives the short rows small microbatches and the long ones the memory peak."""
+    if not token_budget:
+        return chunks(rows, size)
+    groups, current, tokens, longest = [], [], 0, 0
+    for row in rows:
+        n = lengths[row]
+        cost = tokens + n if packed else (len(current) + 1) * max(longest, n)
+        if current and cost > token_budget:
+            groups.append(current)
+            current, tokens, longest = [], 0, 0
+        current.append(row)
+        tokens, longest = tokens + n, max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def chunks(items, size):
+    """`items` in runs of `size`, the last one shorter."""
+    return [items[start : start + size] for start in range(0, len(items), size)]

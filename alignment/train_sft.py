@@ -32,11 +32,10 @@ from alignment.errors import RunStopped, UserError, run_cli
 from alignment.interrupts import StopOnSignal
 from alignment.evaluate import evaluate_math
 from alignment.optim import build_optimizer, build_scheduler
-from alignment.policy_update import microbatches
 from alignment.precision import autocast, master_dtype
 from alignment.precision import describe as describe_precision
 from alignment.rollout import HfEngine, SamplingSettings, load_hf_model, load_tokenizer
-from alignment.sft_helpers import get_response_log_probs, sft_microbatch_train_step, tokenize_prompt_and_output
+from alignment.sft_helpers import get_response_log_probs, microbatches, sft_microbatch_train_step, tokenize_prompt_and_output
 
 
 def evaluate_sft(model, tokenizer, args, writer, step) -> dict:

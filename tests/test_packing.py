@@ -7,9 +7,9 @@ import torch
 
 from alignment.optim import build_scheduler
 from alignment.packing import layout
-from alignment.policy_update import microbatches, score_with, update_policy
+from alignment.policy_update import score_with, update_policy
 from alignment.rollout import load_hf_model, load_tokenizer
-from alignment.sft_helpers import get_response_log_probs
+from alignment.sft_helpers import get_response_log_probs, microbatches
 from conftest import make_tiny_task, steps_log, train_rl_flags, update_settings
 from test_precision import grpo_batch
 

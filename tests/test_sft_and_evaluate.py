@@ -46,7 +46,7 @@ def test_sft_lowers_the_loss_and_saves_a_checkpoint_both_backends_load(task):
 
 def test_sft_microbatches_cut_by_tokens_give_the_same_update_as_rows(task, monkeypatch):
     """--microbatch_tokens: each microbatch's mean loss is weighted by its share of the step, so
-    one row at a time, rows of 8 and the whole step at once train the same weights."""
+    one row at a time, uneven cuts, rows of 8 and the whole step at once train the same weights."""
     import torch
     from safetensors.torch import load_file
 
