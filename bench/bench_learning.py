@@ -52,7 +52,7 @@ def main():
     args = parser.parse_args()
 
     from alignment.toy.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
-    from alignment.toy.tiny_model import build_tiny_checkpoint, r1_zero_template_pieces
+    from alignment.toy.tiny_model import build_tiny_checkpoint, r1_zero_whole_tokens
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -61,7 +61,7 @@ def main():
         env["CUDA_VISIBLE_DEVICES"] = ""
     started = time.perf_counter()
     data = write_synthetic_gsm8k(out / "data", seed=args.seed, **CONFIG["task"])
-    base = build_tiny_checkpoint(out / "base", texts=tokenizer_corpus(data), seed=args.seed, whole_tokens=r1_zero_template_pieces(), **CONFIG["model"])
+    base = build_tiny_checkpoint(out / "base", texts=tokenizer_corpus(data), seed=args.seed, whole_tokens=r1_zero_whole_tokens(), **CONFIG["model"])
     common = ["--data_dir", str(data), "--seed", str(args.seed)]
     sft = out / "sft"
     if not (sft / "config.json").is_file():

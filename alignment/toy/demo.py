@@ -68,11 +68,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `al
 # a step against 2.33 s for one of 128 rows.
 CONFIG = {
     "task": {"num_train": 8000, "num_test": 200, "max_value": 10, "steps": (3,), "bare_answer_fraction": 0.6},
-    "model": {"vocab_size": 512, "hidden_size": 256, "num_layers": 4, "intermediate_size": 768},
-    "sft": ["--batch_size", "32", "--microbatch_size", "16", "--num_epochs", "3", "--learning_rate", "1e-3",
+    "model": {"vocab_size": 512, "hidden_size": 256, "num_layers": 3, "intermediate_size": 768},
+    "sft": ["--batch_size", "32", "--microbatch_tokens", "1024", "--num_epochs", "3", "--learning_rate", "1e-3",
             "--warmup_steps", "10", "--lr_schedule", "cosine", "--log_every", "50", "--eval_num_examples", "100", "--eval_max_tokens", "72"],
     "rl": ["--loss_type", "grpo_clip", "--group_size", "8", "--rollout_batch_size", "8", "--train_mini_batch_size", "32",
-           "--learning_rate", "5e-5", "--warmup_steps", "5", "--sampling_max_tokens", "72", "--sampling_min_tokens", "4",
+           "--learning_rate", "5e-5", "--warmup_steps", "5", "--sampling_max_tokens", "72", "--sampling_min_tokens", "3",
            "--eval_max_tokens", "72", "--max_steps", "20", "--evaluate_freq", "10", "--eval_num_examples", "200",
            "--repetition_penalty", "1.0", "--sampling_temperature", "0.7", "--no-log_reference_kl", "--log_every", "5"],
     "eval": ["--max_tokens", "72", "--repetition_penalty", "1.0"],
@@ -122,7 +122,7 @@ def main(argv=None) -> dict:
     from alignment.checkpoint import remove_output
     from alignment.plot import plot_run
     from alignment.toy.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
-    from alignment.toy.tiny_model import build_tiny_checkpoint, r1_zero_template_pieces
+    from alignment.toy.tiny_model import build_tiny_checkpoint, r1_zero_whole_tokens
 
     started = time.perf_counter()
     out, checkpoints = Path(args.out), Path(args.checkpoints)
@@ -135,7 +135,7 @@ def main(argv=None) -> dict:
     backend = ("vllm" if vllm_available() else "hf") if args.backend == "auto" else args.backend
     task = {**CONFIG["task"], **{key: value for key, value in (("num_train", args.num_train), ("num_test", args.num_test)) if value}}
     data = write_synthetic_gsm8k(out / "data", seed=args.seed, **task)
-    base = build_tiny_checkpoint(checkpoints / "base", texts=tokenizer_corpus(data), seed=args.seed, whole_tokens=r1_zero_template_pieces(), **CONFIG["model"])
+    base = build_tiny_checkpoint(checkpoints / "base", texts=tokenizer_corpus(data), seed=args.seed, whole_tokens=r1_zero_whole_tokens(), **CONFIG["model"])
     print(f"task: {task['num_train']} train / {task['num_test']} test problems in {data}; base model in {base}; rollouts {backend}")
 
     common = ["--data_dir", str(data), "--seed", str(args.seed)]

@@ -67,10 +67,15 @@ def tiny_qwen2_config(vocab_size: int, hidden_size: int = 128, num_layers: int =
     )
 
 
-def r1_zero_template_pieces() -> tuple[str, str]:
-    """The r1_zero prompt's fixed text before and after `{question}`."""
+def r1_zero_whole_tokens() -> tuple[str, ...]:
+    """The r1_zero format's fixed strings, for `whole_tokens`.
+
+    The prompt's text before and after `{question}`, and the answer's tags as an SFT
+    completion writes them (` </think> <answer>`, ` </answer>`): a bare answer is then
+    three tokens (tag, number, tag) rather than ten, and a worked one loses seven.
+    """
     before, after = R1_ZERO_PROMPT.split("{question}")
-    return before, after
+    return before, after, " </think> <answer>", " </answer>"
 
 
 def build_tiny_checkpoint(path, texts=None, vocab_size: int = 512, seed: int = 0, whole_tokens=(), **config_overrides) -> Path:
