@@ -73,7 +73,7 @@ CONFIG = {
             "--warmup_steps", "10", "--lr_schedule", "cosine", "--log_every", "50", "--eval_num_examples", "100", "--eval_max_tokens", "72"],
     "rl": ["--loss_type", "grpo_clip", "--group_size", "8", "--rollout_batch_size", "8", "--train_mini_batch_size", "32",
            "--learning_rate", "5e-5", "--warmup_steps", "5", "--sampling_max_tokens", "72", "--sampling_min_tokens", "3",
-           "--eval_max_tokens", "72", "--max_steps", "20", "--evaluate_freq", "10", "--eval_num_examples", "200",
+           "--eval_max_tokens", "72", "--max_steps", "15", "--evaluate_freq", "5", "--eval_num_examples", "200",
            "--repetition_penalty", "1.0", "--sampling_temperature", "0.7", "--no-log_reference_kl", "--log_every", "5"],
     "eval": ["--max_tokens", "72", "--repetition_penalty", "1.0"],
 }
