@@ -44,6 +44,35 @@ def test_bare_answers_only_in_train_and_splits_are_disjoint(tmp_path):
     assert r1_zero_reward_fn(completion, truth)["reward"] == 1.0
 
 
+def test_the_demo_tokenizer_keeps_the_r1_zero_tags_whole(tmp_path):
+    """As the trainers and vLLM load it (Qwen2's pre-tokenizer: a space token, then one token a
+    digit), a bare answer is four or five tokens, and the demo's rollouts may stop there: vLLM
+    ignores a stop string before --sampling_min_tokens."""
+    from transformers import AutoTokenizer
+
+    from alignment.data import format_r1_zero_prompt
+    from alignment.toy import demo
+    from alignment.toy.synthetic_task import tokenizer_corpus
+    from alignment.toy.tiny_model import build_tiny_checkpoint, r1_zero_whole_tokens
+
+    data = write_synthetic_gsm8k(tmp_path / "data", num_train=300, num_test=10, seed=0, max_value=10, steps=(3,), bare_answer_fraction=0.6)
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint(tmp_path / "base", texts=tokenizer_corpus(data), whole_tokens=r1_zero_whole_tokens(), hidden_size=64, num_layers=1))
+
+    def pieces(text):
+        return [tokenizer.decode([i]) for i in tokenizer(text, add_special_tokens=False).input_ids]
+
+    assert pieces(" </think> <answer> 17 </answer>") == [" </think> <answer>", " ", "1", "7", " </answer>"]
+    assert pieces(" </think> <answer> 7 </answer>") == [" </think> <answer>", " ", "7", " </answer>"]
+    worked = " On Monday Mia gets 5 more: 2 + 5 = 7. </think> <answer> 7 </answer>"
+    assert "".join(pieces(worked)) == worked and pieces(worked)[-4:] == [" </think> <answer>", " ", "7", " </answer>"]
+    rl = demo.CONFIG["rl"]
+    assert int(rl[rl.index("--sampling_min_tokens") + 1]) <= 4
+    # the prompt's fixed text is one token before the question and one after it
+    before, after = r1_zero_whole_tokens()[:2]
+    prompt = pieces(format_r1_zero_prompt("Mia has 2 stamps."))
+    assert prompt[0] == before and prompt[-1] == after and "".join(prompt[1:-1]) == "Mia has 2 stamps."
+
+
 @pytest.mark.slow
 def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path):
     """The real demo (real CLIs in subprocesses, default backend), fewer problems and steps."""

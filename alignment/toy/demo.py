@@ -1,4 +1,4 @@
-"""The embedded default: the whole pipeline on a 2-core CPU in 7-16 minutes, where RL visibly learns.
+"""The embedded default: the whole pipeline on a 2-core CPU in 5-12 minutes, where RL visibly learns.
 
     make demo                      # or: python -m alignment.toy.demo
     tensorboard --logdir runs/demo
@@ -20,13 +20,13 @@ more, on Tuesday gives away 3, on Wednesday ..."). Four in ten SFT demonstration
 show the worked steps; the other six state only the final number, like a teacher
 who often skips the working. SFT imitates both styles, and greedy decoding of the
 SFT model answers straight away, which this model gets right one time in four to
-one in two: adding four numbers in one forward pass is beyond it. Worked steps are right
+two in five: adding four numbers in one forward pass is beyond it. Worked steps are right
 far more often. RL samples both styles, and since only correct answers earn reward
-it learns to write the steps: within 10-20 steps the greedy answers grow from
-~11-17 to ~65 tokens and accuracy follows (tensorboard: eval/* next to
-train/response_length, where the sampled answers grow from ~30 to ~50 tokens).
-With half the demonstrations bare, whether greedy SFT answered bare or worked
-varied from seed to seed; at six in ten it answered bare.
+it learns to write the steps: within 10 steps the greedy answers grow from ~4-5 to
+~58 tokens and accuracy follows (tensorboard: eval/* next to train/response_length,
+where the sampled answers grow from ~33 to ~40-46 tokens). With half the demonstrations
+bare, whether greedy SFT answered bare or worked varied from seed to seed; at six in
+ten it answered bare.
 """
 
 import argparse
@@ -51,28 +51,28 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `al
 # written, and a penalty would also make rollouts off-policy for the loss.
 # Rollouts at temperature 0.7: at 1.0 the sampled worked answers of a weaker SFT model
 # (seed 1) were no more often right than bare ones (0.26 vs 0.25), so RL had nothing to
-# prefer; at 0.7 the steps pay and RL switches to them. Three SFT epochs: after two,
-# one CPU's seed-1 SFT model answered bare and right more often (0.380) and wrote steps
-# too poorly for them to pay (RL +10.5 points; +26 to +41 on the other seeds and on
-# another CPU); after two and a half (625 steps) seed 2 there gained 12.5; after three,
-# 30-44 points on seeds 0, 1 and 2 there, for 50% more SFT time than two. SFT microbatches of 16:
-# the same step (the step's examples sorted by length, the loss summed over the step),
-# less padding, 24% faster on a 2-core CPU than one microbatch of 32. Cut by 1,600 padded
-# tokens instead (--microbatch_tokens) the same step pads 5% instead of 14% and ran 8% faster,
-# but its different rounding left seed 1's greedy SFT answers worked (0.805, RL +2.5 points):
-# which style greedy decoding picks is that fragile, so the demo keeps the rows it was checked with.
-# RL: 8 prompts x 8 samples a step for 20 steps. From the three-epoch SFT checkpoints the
-# greedy answers switch to worked steps by step 10 and stay (seeds 0-2: 0.715 / 0.800 /
-# 0.720 at step 10, 0.710 / 0.790 / 0.725 at 20); 16 prompts for 40 steps ended at 0.740 /
-# 0.820 / 0.710, in 138-143 s against 53 s. The update in microbatches of 32 rows: 1.54 s
-# a step against 2.33 s for one of 128 rows.
+# prefer; at 0.7 the steps pay and RL switches to them. The tokenizer holds the answer
+# tags (" </think> <answer>", " </answer>") as whole tokens, so a bare answer is four or five
+# tokens (tag, space, digits, tag: at least --sampling_min_tokens 4) instead of eleven; with three layers instead of four and SFT microbatches cut by 1,024 padded tokens (the
+# same gradient as rows, less padding) the SFT stage takes ~230 s against ~330 s on a 2-core
+# CPU, and RL gains more: +50 / +32.5 / +46 points on seeds 0-2 after 20 steps, against
+# +27.5 / +27 / +45 with four layers and ten-token bare answers (bench/RESULTS.md section 7).
+# Three SFT epochs: after two, one CPU's seed-1 SFT model answered bare and right more often
+# and wrote steps too poorly for them to pay (RL +10.5 points); 600 steps here gave seed 1
+# +29 with worked answers right 0.59 of the time. Which style greedy decoding picks after SFT
+# depends on rounding (cut by 1,600 tokens with four layers, seed 1's greedy SFT answers came
+# out worked and RL had nothing to teach), so every change to SFT's numerics is checked on
+# seeds 0, 1 and 2. RL: 8 prompts x 8 samples a step for 15 steps; the greedy answers switch
+# to worked steps by step 10 (0.840 / 0.685 / 0.740 on seeds 0-2) and step 15 holds it
+# (0.830 / 0.700 / 0.740; 20 steps gave 0.810 / 0.695 / 0.725). The update in microbatches
+# of 32 rows: 1.54 s a step against 2.33 s for one of 128 rows.
 CONFIG = {
     "task": {"num_train": 8000, "num_test": 200, "max_value": 10, "steps": (3,), "bare_answer_fraction": 0.6},
     "model": {"vocab_size": 512, "hidden_size": 256, "num_layers": 3, "intermediate_size": 768},
     "sft": ["--batch_size", "32", "--microbatch_tokens", "1024", "--num_epochs", "3", "--learning_rate", "1e-3",
             "--warmup_steps", "10", "--lr_schedule", "cosine", "--log_every", "50", "--eval_num_examples", "100", "--eval_max_tokens", "72"],
     "rl": ["--loss_type", "grpo_clip", "--group_size", "8", "--rollout_batch_size", "8", "--train_mini_batch_size", "32",
-           "--learning_rate", "5e-5", "--warmup_steps", "5", "--sampling_max_tokens", "72", "--sampling_min_tokens", "3",
+           "--learning_rate", "5e-5", "--warmup_steps", "5", "--sampling_max_tokens", "72", "--sampling_min_tokens", "4",
            "--eval_max_tokens", "72", "--max_steps", "15", "--evaluate_freq", "5", "--eval_num_examples", "200",
            "--repetition_penalty", "1.0", "--sampling_temperature", "0.7", "--no-log_reference_kl", "--log_every", "5"],
     "eval": ["--max_tokens", "72", "--repetition_penalty", "1.0"],

@@ -44,8 +44,9 @@ def make_problem(rng: random.Random, max_value: int = 20, steps: tuple[int, ...]
         reasoning.append(f"{clause}: {value} {sign} {change} = <<{value}{sign}{change}={result}>>{result}")
         value = result
     question = " ".join(sentences) + f" How many {item} does {name} have now?"
-    # steps joined by ". " rather than newlines: every number then follows a space
-    # and is the same BPE token wherever it appears, which a tiny model copies easily
+    # steps joined by ". " rather than newlines: every number then follows a space and
+    # is the same tokens wherever it appears, which a tiny model copies easily (a Qwen2
+    # checkpoint's tokenizer loads with Qwen2's pre-tokenizer: a space token, then a digit each)
     answer = ". ".join(reasoning) + f".\n#### {value}"
     return {"question": question, "answer": answer}
 

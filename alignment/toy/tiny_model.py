@@ -72,7 +72,8 @@ def r1_zero_whole_tokens() -> tuple[str, ...]:
 
     The prompt's text before and after `{question}`, and the answer's tags as an SFT
     completion writes them (` </think> <answer>`, ` </answer>`): a bare answer is then
-    three tokens (tag, number, tag) rather than ten, and a worked one loses seven.
+    four or five tokens (tag, space, digits, tag) rather than eleven, and a worked one
+    loses seven.
     """
     before, after = R1_ZERO_PROMPT.split("{question}")
     return before, after, " </think> <answer>", " </answer>"
