@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11+, no GPU needed):
-#   make demo   - the embedded default: SFT then RL on a tiny model, CPU, 7-16 minutes on 2 cores
+#   make demo   - the embedded default: SFT then RL on a tiny model, CPU, 5-12 minutes on 2 cores
 #   make test   - the test suite
 PYTHON ?= python3
 VENV := .venv
