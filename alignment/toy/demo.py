@@ -52,20 +52,20 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `al
 # Rollouts at temperature 0.7: at 1.0 the sampled worked answers of a weaker SFT model
 # (seed 1) were no more often right than bare ones (0.26 vs 0.25), so RL had nothing to
 # prefer; at 0.7 the steps pay and RL switches to them. The tokenizer holds the answer
-# tags (" </think> <answer>", " </answer>") as whole tokens, so a bare answer is four or five
-# tokens (tag, space, digits, tag: at least --sampling_min_tokens 4) instead of eleven; with three layers instead of four and SFT microbatches cut by 1,024 padded tokens (the
-# same gradient as rows, less padding) the SFT stage takes ~230 s against ~330 s on a 2-core
-# CPU, and RL gains more: +50 / +32.5 / +46 points on seeds 0-2 after 20 steps, against
-# +27.5 / +27 / +45 with four layers and ten-token bare answers (bench/RESULTS.md section 7).
-# Three SFT epochs: after two, one CPU's seed-1 SFT model answered bare and right more often
-# and wrote steps too poorly for them to pay (RL +10.5 points); 600 steps here gave seed 1
-# +29 with worked answers right 0.59 of the time. Which style greedy decoding picks after SFT
-# depends on rounding (cut by 1,600 tokens with four layers, seed 1's greedy SFT answers came
-# out worked and RL had nothing to teach), so every change to SFT's numerics is checked on
-# seeds 0, 1 and 2. RL: 8 prompts x 8 samples a step for 15 steps; the greedy answers switch
-# to worked steps by step 10 (0.840 / 0.685 / 0.740 on seeds 0-2) and step 15 holds it
-# (0.830 / 0.700 / 0.740; 20 steps gave 0.810 / 0.695 / 0.725). The update in microbatches
-# of 32 rows: 1.54 s a step against 2.33 s for one of 128 rows.
+# tags (" </think> <answer>", " </answer>") as whole tokens, so a bare answer is four or
+# five tokens (tag, space, digits, tag) instead of eleven. With that, three layers instead
+# of four and SFT microbatches cut by 1,024 padded tokens (the same gradient as rows, less
+# padding), the SFT stage takes ~230 s against ~330 s on a 2-core CPU and RL gains more:
+# +50.5 / +34.5 / +47.5 points on seeds 0-2, against +27.5 / +27 / +45 with four layers and
+# eleven-token bare answers (bench/RESULTS.md section 7). Three SFT epochs: after two, one
+# CPU's seed-1 SFT model answered bare and right more often and wrote steps too poorly for
+# them to pay (RL +10.5 points); 600 steps here gave seed 1 +29 with worked answers right
+# 0.59 of the time. Which style greedy decoding picks after SFT depends on rounding (cut by
+# 1,600 tokens with four layers, seed 1's greedy SFT answers came out worked and RL had
+# nothing to teach), so every change to SFT's numerics is checked on seeds 0, 1 and 2.
+# RL: 8 prompts x 8 samples a step for 15 steps; the greedy answers switch to worked steps
+# by step 10 (0.825 / 0.725 / 0.735 on seeds 0-2) and step 15 holds it (0.815 / 0.715 /
+# 0.740). The update in microbatches of 32 rows: 1.54 s a step against 2.33 s for one of 128.
 CONFIG = {
     "task": {"num_train": 8000, "num_test": 200, "max_value": 10, "steps": (3,), "bare_answer_fraction": 0.6},
     "model": {"vocab_size": 512, "hidden_size": 256, "num_layers": 3, "intermediate_size": 768},
