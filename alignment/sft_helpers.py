@@ -2,8 +2,9 @@
 
 Shared by SFT and RL. `tokenize_prompt_and_output`, `compute_entropy`,
 `get_response_log_probs` and `sft_microbatch_train_step` follow the CS336
-assignment-5 names and shapes; `microbatches` cuts a step's rows by count or by tokens. Every (B, T) tensor is aligned with `labels`:
-position t scores token t+1 of the full sequence.
+assignment-5 names and shapes; `microbatches` cuts a step's rows by count or by
+tokens. Every (B, T) tensor is aligned with `labels`: position t scores token t+1
+of the full sequence.
 """
 
 import torch

@@ -22,10 +22,10 @@ import torch  # noqa: E402
 
 from alignment.flops import update_flops  # noqa: E402
 from alignment.fused_logprobs import use_compiled_chunk_math  # noqa: E402
-from alignment.policy_update import UpdateSettings, score_with, update_policy  # noqa: E402
-from alignment.sft_helpers import microbatches  # noqa: E402
 from alignment.optim import build_optimizer, build_scheduler  # noqa: E402
+from alignment.policy_update import UpdateSettings, score_with, update_policy  # noqa: E402
 from alignment.rollout import load_hf_model, load_tokenizer  # noqa: E402
+from alignment.sft_helpers import microbatches  # noqa: E402
 
 
 def update_args(microbatch: int, chunk_size: int, batch_size: int, packed: bool = False, budget: int = 0) -> UpdateSettings:

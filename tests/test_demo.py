@@ -63,9 +63,9 @@ def test_the_demo_tokenizer_keeps_the_r1_zero_tags_whole(tmp_path):
 
     assert pieces(" </think> <answer> 17 </answer>") == [" </think> <answer>", " ", "1", "7", " </answer>"]
     assert pieces(" </think> <answer> 7 </answer>") == [" </think> <answer>", " ", "7", " </answer>"]
-    worked = pieces(" On Monday Mia gets 5 more: 2 + 5 = 7. </think> <answer> 7 </answer>")
-    assert "".join(worked) == " On Monday Mia gets 5 more: 2 + 5 = 7. </think> <answer> 7 </answer>"
-    assert worked[-4:] == [" </think> <answer>", " ", "7", " </answer>"]
+    text = " On Monday Mia gets 5 more: 2 + 5 = 7. </think> <answer> 7 </answer>"
+    worked = pieces(text)
+    assert "".join(worked) == text and worked[-4:] == [" </think> <answer>", " ", "7", " </answer>"]
     rl = demo.CONFIG["rl"]
     assert int(rl[rl.index("--sampling_min_tokens") + 1]) <= 4
     # the prompt's fixed text is one token before the question and one after it
