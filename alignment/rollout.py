@@ -264,6 +264,21 @@ def pack_tensors(named_tensors) -> bytes:
     return bytes(ForkingPickler.dumps([(name, tensor) for name, tensor in named_tensors]))
 
 
+def _count_ranks_eagerly(worker=None) -> None:
+    """On a CPU, count each returned log-prob's rank eagerly: vLLM's sampler counts it with a
+    torch.compile'd function (vllm.v1.sample.ops.logprobs), whose first call costs every process
+    seconds (an inductor build of a C++ kernel, or a cache lookup that hashes torch's sources; the
+    demo's first rollout took 3.9 s against 0.6 s for the next) for a comparison and a sum. The
+    same integers. Runs where the sampler runs: in this process, or in the engine core's
+    (collective_rpc passes the worker)."""
+    try:
+        from vllm.v1.sample import sampler
+    except ImportError:
+        return
+    if hasattr(sampler, "batched_count_greater_than"):
+        sampler.batched_count_greater_than = lambda x, values: (x >= values).sum(-1)
+
+
 def _load_packed_in_worker(worker, payload: bytes, device: str) -> str:
     """Runs inside vLLM's engine-core process (collective_rpc): open the packed tensors, copy them in."""
     import pickle
@@ -339,6 +354,8 @@ class VllmEngine:
         previous = torch.cuda.current_device() if torch.cuda.is_available() and not engine_process else None
         started = time.perf_counter()
         self.llm = LLM(**kwargs)
+        if device == "cpu":
+            self.llm.collective_rpc(_count_ranks_eagerly) if engine_process else _count_ranks_eagerly()
         self.start_seconds = time.perf_counter() - started
         if previous is not None:
             torch.cuda.set_device(previous)  # the engine made its GPU current; the policy code expects its own
