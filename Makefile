@@ -31,13 +31,14 @@ demo: install
 	$(PY) -m alignment.toy.demo
 
 # Two workers of one thread each share the cores (most tests wait on process and engine starts;
-# two threads per worker would spin against each other); the tests that time the grader run
-# after them, alone. TEST_WORKERS=0 runs the first part in this process too.
+# two threads per worker would spin against each other); the tests that time the grader
+# (test_grader.py, where conftest keeps them) run after them, alone. TEST_WORKERS=0 runs the
+# first part in this process too.
 TEST_WORKERS ?= 2
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist load --maxschedchunk 1 -m "not timed" tests
-	$(PY) -m pytest -q -p no:cacheprovider -m timed tests
+	$(PY) -m pytest -q -p no:cacheprovider -m timed tests/test_grader.py
 
 data: install
 	$(PY) -m alignment.data download

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+TIMED_TESTS_FILE = "test_grader.py"  # every test marked timed, run alone by `make test`
 
 
 def find_gsm8k_dir() -> Path | None:
@@ -20,7 +21,11 @@ def find_gsm8k_dir() -> Path | None:
 def pytest_collection_modifyitems(config, items):
     """The slow tests first (stable otherwise): `make test`'s workers take one test at a time from
     the front, so the long ones start early and the short ones fill in behind them, instead of one
-    worker ending last on a long test."""
+    worker ending last on a long test. The tests that time the grader live in test_grader.py alone:
+    `make test` runs that file by itself after the rest, without collecting the others."""
+    for item in items:
+        if item.get_closest_marker("timed") and item.path.name != TIMED_TESTS_FILE:
+            raise pytest.UsageError(f"{item.nodeid} is marked timed: move it to tests/{TIMED_TESTS_FILE}, the file `make test` times alone")
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

@@ -485,6 +485,36 @@ def test_python_code_in_answers_is_never_executed(tmp_path):
     assert not target.exists()
 
 
+# 2,500 hypothesis cases of LaTeX fragments, 2,000-deep parentheses, power towers and 2,000-digit
+# numbers, and 1 MB inputs: every call within a second
+LATEX_PIECES = ["\\frac{", "\\sqrt{", "\\boxed{", "}", "{", "^", "^{", "9", "10", "(", ")", "[", "]", "\\pi", "x", "=", ",", ".",
+                "\\left(", "\\right)", "\\text{", "%", "\\%", "-", "+", "*", "**", "!", "\\infty", "\\cdot", "e", "\x00", " ", "\\\\"]
+adversarial_answer = st.one_of(
+    st.lists(st.sampled_from(LATEX_PIECES), max_size=80).map("".join),
+    st.integers(min_value=1, max_value=40).map(lambda depth: "(" * depth * 50 + "1" + ")" * depth * 50),
+    st.integers(min_value=2, max_value=9).map(lambda n: "^".join(["9"] * n)),
+    st.integers(min_value=2, max_value=6).map(lambda n: "10^{" * n + "10" + "}" * n),
+    st.text(max_size=300),
+    st.integers(min_value=1, max_value=2000).map(lambda n: "9" * n),
+)
+
+
+@settings(max_examples=2500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(answer=adversarial_answer, truth=st.one_of(st.sampled_from(["18", "\\frac{1}{2}", "\\sqrt{2}", "-5", "(1,2)"]), adversarial_answer))
+def test_grader_fuzz_thousands_of_adversarial_answers(answer, truth):
+    started = time.perf_counter()
+    result = r1_zero_reward_fn(f"<think> x </think> <answer> {answer} </answer>", truth)
+    assert time.perf_counter() - started < 1.0
+    assert result in LEGAL_REWARDS
+
+
+def test_grader_on_huge_inputs_is_bounded():
+    for response in ("</think> <answer> " + "1+" * 500_000 + "1 </answer>", "\x00" * 1_000_000, "{" * 100_000 + "</think> <answer> }</answer>"):
+        started = time.perf_counter()
+        assert r1_zero_reward_fn(response, "2") in LEGAL_REWARDS
+        assert time.perf_counter() - started < 1.0
+
+
 # ---------------------------------------------------------------- off the main thread
 
 # Passes the size guard, so only the time limit stops it: more than 20 s of sympy without one.

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -151,40 +150,3 @@ def test_no_skip_zero_signal_runs_the_update_anyway(pipeline):
     assert logged[-1]["train/zero_signal_batches"] == 0
     assert all(s["train/loss"] == 0.0 and s["perf/train_tokens_per_s"] > 0 for s in logged)
 
-
-# ---------------------------------------------------------------- grader fuzzing
-
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from alignment.drgrpo_grader import CORRECT, FORMATTED_WRONG, UNFORMATTED, r1_zero_reward_fn  # noqa: E402
-
-LATEX_PIECES = ["\\frac{", "\\sqrt{", "\\boxed{", "}", "{", "^", "^{", "9", "10", "(", ")", "[", "]", "\\pi", "x", "=", ",", ".",
-                "\\left(", "\\right)", "\\text{", "%", "\\%", "-", "+", "*", "**", "!", "\\infty", "\\cdot", "e", "\x00", " ", "\\\\"]
-adversarial_answer = st.one_of(
-    st.lists(st.sampled_from(LATEX_PIECES), max_size=80).map("".join),
-    st.integers(min_value=1, max_value=40).map(lambda depth: "(" * depth * 50 + "1" + ")" * depth * 50),
-    st.integers(min_value=2, max_value=9).map(lambda n: "^".join(["9"] * n)),
-    st.integers(min_value=2, max_value=6).map(lambda n: "10^{" * n + "10" + "}" * n),
-    st.text(max_size=300),
-    st.integers(min_value=1, max_value=2000).map(lambda n: "9" * n),
-)
-LEGAL = [CORRECT, FORMATTED_WRONG, UNFORMATTED]
-
-
-@pytest.mark.timed
-@settings(max_examples=2500, deadline=None, suppress_health_check=list(HealthCheck))
-@given(answer=adversarial_answer, truth=st.one_of(st.sampled_from(["18", "\\frac{1}{2}", "\\sqrt{2}", "-5", "(1,2)"]), adversarial_answer))
-def test_grader_fuzz_thousands_of_adversarial_answers(answer, truth):
-    started = time.perf_counter()
-    result = r1_zero_reward_fn(f"<think> x </think> <answer> {answer} </answer>", truth)
-    assert time.perf_counter() - started < 1.0
-    assert result in LEGAL
-
-
-@pytest.mark.timed
-def test_grader_on_huge_inputs_is_bounded():
-    for response in ("</think> <answer> " + "1+" * 500_000 + "1 </answer>", "\x00" * 1_000_000, "{" * 100_000 + "</think> <answer> }</answer>"):
-        started = time.perf_counter()
-        assert r1_zero_reward_fn(response, "2") in LEGAL
-        assert time.perf_counter() - started < 1.0
