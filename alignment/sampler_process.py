@@ -53,9 +53,9 @@ def _serve(make_engine, requests, replies, trainer_pid: int, threads: int | None
     replies.put((0, "ready", None, 0.0))
     while True:
         try:
-            ticket, kind, payload = requests.get(timeout=5.0)
+            ticket, kind, payload = requests.get(timeout=1.0)
         except queue.Empty:
-            if os.getppid() != trainer_pid:  # the trainer died without closing us (killed): end with it
+            if os.getppid() != trainer_pid:  # the trainer died without closing us (killed): end with it, within a second
                 break
             continue
         if kind == "stop":
