@@ -20,7 +20,7 @@ import pytest
 
 from alignment import checkpoint, evaluate, train_rl, train_sft
 from alignment.checkpoint import MANIFEST_NAME, OutputLock, has_training_state, read_manifest, verify_manifest, write_atomically
-from alignment.errors import UserError
+from alignment.errors import UserError, run_cli
 from conftest import REPO_ROOT, make_tiny_task, steps_log, train_rl_flags
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
@@ -486,7 +486,7 @@ def test_a_serialiser_failure_during_a_save_is_one_line_and_leaves_no_temp_folde
     assert [p.name for p in state.parent.iterdir() if ".tmp-" in p.name] == []
 
 
-def test_damaged_configs_and_bad_betas_are_one_line(pipeline, tmp_path):
+def test_damaged_configs_and_bad_betas_are_one_line(pipeline, tmp_path, capsys):
     for name, text, message in (("not_json", "{oops", "is not readable JSON"), ("a_list", "[1, 2]", "is not a JSON object"),
                                 ("no_layers", '{"model_type": "qwen2"}', "has no positive num_hidden_layers")):
         broken = tmp_path / name
@@ -498,9 +498,11 @@ def test_damaged_configs_and_bad_betas_are_one_line(pipeline, tmp_path):
             train_rl.main([*flags(pipeline, name), "--sft_checkpoint_path", str(broken)])
         with pytest.raises(UserError, match=rf"--model_path .*{name}: .*config.json {message}"):
             evaluate.main(["--model_path", str(broken), "--backend", "hf", "--data_dir", str(pipeline.data)])
-    result = subprocess.run([sys.executable, "-m", "alignment.train_rl", *flags(pipeline, "betas"), "--adam_betas", "2", "-1"],
-                            cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "error: argument --adam_betas: must be in [0, 1), got 2" in result.stderr and "Traceback" not in result.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:  # what `python -m alignment.train_rl` runs (a traceback would raise something else)
+        run_cli(train_rl.main, [*flags(pipeline, "betas"), "--adam_betas", "2", "-1"])
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2 and "error: argument --adam_betas: must be in [0, 1), got 2" in stderr and "Traceback" not in stderr
 
 
 def test_a_resume_refusal_names_the_flag_the_user_changed_not_a_derived_one(pipeline, monkeypatch):
