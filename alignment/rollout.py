@@ -354,8 +354,10 @@ class VllmEngine:
         previous = torch.cuda.current_device() if torch.cuda.is_available() and not engine_process else None
         started = time.perf_counter()
         self.llm = LLM(**kwargs)
-        if device == "cpu":
-            self.llm.collective_rpc(_count_ranks_eagerly) if engine_process else _count_ranks_eagerly()
+        if device == "cpu" and engine_process:
+            self.llm.collective_rpc(_count_ranks_eagerly)
+        elif device == "cpu":
+            _count_ranks_eagerly()
         self.start_seconds = time.perf_counter() - started
         if previous is not None:
             torch.cuda.set_device(previous)  # the engine made its GPU current; the policy code expects its own
