@@ -144,16 +144,18 @@ with OutputLock([(sys.argv[1], "--checkpoint_path")]):
 """
 
 
-def test_a_second_run_on_the_same_paths_exits_naming_the_first(pipeline):
+def test_a_second_run_on_the_same_paths_exits_naming_the_first(pipeline, capsys):
     target = pipeline.root / "busy" / "rl"
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(target)], cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "LOCKED"
-        result = subprocess.run([sys.executable, "-m", "alignment.train_rl", *flags(pipeline, "busy", checkpoint_path=target)],
-                                cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 2
-        assert re.search(rf"error: --checkpoint_path .*busy/rl is in use by another run \(pid {holder.pid}", result.stderr), result.stderr[-2000:]
-        assert "Traceback" not in result.stderr
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:  # the second run: train_rl's CLI entry here, the first holds the lock in its own process
+            run_cli(train_rl.main, flags(pipeline, "busy", checkpoint_path=target))
+        stderr = capsys.readouterr().err
+        assert exited.value.code == 2
+        assert re.search(rf"error: --checkpoint_path .*busy/rl is in use by another run \(pid {holder.pid}", stderr), stderr[-2000:]
+        assert "Traceback" not in stderr
     finally:
         holder.kill()
         holder.wait()
