@@ -23,11 +23,8 @@ def run(command, timeout=600):
 
 
 @pytest.mark.slow
-def test_two_rank_fsdp_step_equals_one_process_step(tiny_checkpoint, tmp_path, monkeypatch):
-    import runpy
-
-    monkeypatch.setattr(sys, "argv", ["fsdp_step_check.py", str(tiny_checkpoint), str(tmp_path / "one.pt")])
-    runpy.run_path(str(REPO_ROOT / "tests" / "fsdp_step_check.py"), run_name="__main__")  # one process: this one
+def test_two_rank_fsdp_step_equals_one_process_step(tiny_checkpoint, tmp_path):
+    run([sys.executable, "tests/fsdp_step_check.py", str(tiny_checkpoint), str(tmp_path / "one.pt")])
     run([*TORCHRUN, "tests/fsdp_step_check.py", str(tiny_checkpoint), str(tmp_path / "two.pt")])
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
