@@ -69,7 +69,7 @@ def perturb(model, seed, scale):
             parameter.add_(noise * scale)
 
 
-def main(argv=None):
+def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda:0", help="the sampler's device")
     parser.add_argument("--policy_device", default=None, help="where the policy lives (default: the sampler's device)")
@@ -84,7 +84,7 @@ def main(argv=None):
                         help="only the sync proof, on an eager engine whose core runs in its own process (VllmEngine(engine_process=True), "
                              "as the one-step-off sampler runs it): weights travel packed as IPC handles")
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench"))
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
 
     device, policy_device = args.device, args.policy_device or args.device
     tiny = args.tiny

