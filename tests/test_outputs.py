@@ -35,6 +35,15 @@ def flags(pipeline, name, *extra, checkpoint_path=None):
     return train_rl_flags(pipeline, name, "--max_steps", "3", *extra, checkpoint_path=checkpoint_path)
 
 
+def train_rl_cli(capsys, argv) -> tuple[int, str]:
+    """What `python -m alignment.train_rl <argv>` runs (`run_cli(main)`), here: its exit code and stderr.
+    A traceback would be an exception other than SystemExit, and fail the test."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        run_cli(train_rl.main, argv)
+    return exited.value.code, capsys.readouterr().err
+
+
 def snapshot(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -149,11 +158,8 @@ def test_a_second_run_on_the_same_paths_exits_naming_the_first(pipeline, capsys)
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(target)], cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "LOCKED"
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exited:  # the second run: train_rl's CLI entry here, the first holds the lock in its own process
-            run_cli(train_rl.main, flags(pipeline, "busy", checkpoint_path=target))
-        stderr = capsys.readouterr().err
-        assert exited.value.code == 2
+        code, stderr = train_rl_cli(capsys, flags(pipeline, "busy", checkpoint_path=target))  # the first holds the lock in its own process
+        assert code == 2
         assert re.search(rf"error: --checkpoint_path .*busy/rl is in use by another run \(pid {holder.pid}", stderr), stderr[-2000:]
         assert "Traceback" not in stderr
     finally:
@@ -500,11 +506,8 @@ def test_damaged_configs_and_bad_betas_are_one_line(pipeline, tmp_path, capsys):
             train_rl.main([*flags(pipeline, name), "--sft_checkpoint_path", str(broken)])
         with pytest.raises(UserError, match=rf"--model_path .*{name}: .*config.json {message}"):
             evaluate.main(["--model_path", str(broken), "--backend", "hf", "--data_dir", str(pipeline.data)])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:  # what `python -m alignment.train_rl` runs (a traceback would raise something else)
-        run_cli(train_rl.main, [*flags(pipeline, "betas"), "--adam_betas", "2", "-1"])
-    stderr = capsys.readouterr().err
-    assert exited.value.code == 2 and "error: argument --adam_betas: must be in [0, 1), got 2" in stderr and "Traceback" not in stderr
+    code, stderr = train_rl_cli(capsys, [*flags(pipeline, "betas"), "--adam_betas", "2", "-1"])
+    assert code == 2 and "error: argument --adam_betas: must be in [0, 1), got 2" in stderr and "Traceback" not in stderr
 
 
 def test_a_resume_refusal_names_the_flag_the_user_changed_not_a_derived_one(pipeline, monkeypatch):
