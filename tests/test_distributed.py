@@ -73,22 +73,42 @@ def test_train_rl_under_torchrun_end_to_end(tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "rl")
 
 
-def kill_processes_mentioning(text: str, signal_number) -> None:
-    """Kill every process whose command line contains `text` (a crash of the whole launch)."""
+def processes_mentioning(text: str) -> list[int]:
+    """The live processes other than this one whose command line contains `text` (a zombie's is empty)."""
+    found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
                 if text.encode() in (entry / "cmdline").read_bytes():
-                    os.kill(int(entry.name), signal_number)
-            except (OSError, ProcessLookupError):
+                    found.append(int(entry.name))
+            except OSError:
                 pass
+    return found
+
+
+def kill_processes_mentioning(text: str, signal_number, timeout: float = 30.0) -> None:
+    """Kill every process whose command line contains `text` (a crash of the whole launch), and
+    wait until none is left: a rank's file locks are held until it has exited."""
+    import time
+
+    deadline = time.time() + timeout
+    while pids := processes_mentioning(text):
+        for pid in pids:
+            try:
+                os.kill(pid, signal_number)
+            except ProcessLookupError:
+                pass
+        assert time.time() < deadline, f"processes {pids} outlived {signal_number}"
+        time.sleep(0.05)
 
 
 @pytest.mark.slow
-def test_state_saved_by_two_ranks_resumes_in_one_process(tmp_path):
+def test_state_saved_by_two_ranks_resumes_in_one_process(tmp_path, capsys):
     """The training state is full weights + a name-keyed optimizer: any world size resumes it."""
     import signal
     import time
+
+    from alignment import train_rl
 
     task = make_tiny_task(tmp_path, num_train=32, num_test=4, seed=4)
     flags = run_flags(task, tmp_path, "switch", "--rollout_backend", "hf", "--layout", "auto", "--eval_num_examples", "4",
@@ -104,7 +124,9 @@ def test_state_saved_by_two_ranks_resumes_in_one_process(tmp_path):
     process.wait()
     counters = json.loads((tmp_path / "rl.state" / "counters.json").read_text())
     assert counters["step"] == 1 and counters["world_size"] == 2
-    out = run([sys.executable, "-m", "alignment.train_rl", *flags, "--resume"])  # one process, the seed's layout
+    capsys.readouterr()
+    train_rl.main([*flags, "--resume"])  # in this one process, the seed's layout
+    out = capsys.readouterr().out
     assert "resumed from" in out and "at step 1" in out
     steps = [s["step"] for s in steps_log(task, "switch")]
     assert steps == [1, 2, 3]

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -294,26 +295,38 @@ def test_a_torn_last_line_of_steps_log_does_not_block_resume(pipeline, monkeypat
     assert [json.loads(line)["step"] for line in torn_log.read_text().splitlines()] == [1, 2, 3]  # every line whole again
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(pipeline, signum, code):
-    name = f"signal_{code}"
-    command = [sys.executable, "-m", "alignment.train_rl", *flags(pipeline, name, "--save_state_every", "5", "--max_steps", "6")]
+def stop_at_step(command: list[str], step: int, signum) -> tuple[int, str]:
+    """Run train_rl's `command`, send `signum` once it logs step `step`, and check how it stops:
+    the exit code, no traceback, a training state of the step it finished, the resume command.
+    Returns that step and the resume command's argv, with this interpreter for `python`."""
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in process.stdout:
-        if line.startswith("step 1/6"):
+        if line.startswith(f"step {step}/6"):
             process.send_signal(signum)
             break
     out, err = process.communicate(timeout=300)
-    assert process.returncode == code, err[-3000:]
+    assert process.returncode == 128 + signum, err[-3000:]  # 130 for SIGINT, 143 for SIGTERM
     assert "Traceback" not in err
     stopped = re.search(r"stopped by (SIG\w+) after step (\d+): the training state of step \2 is in (\S+); continue with:\n  (.+)", err)
     assert stopped and stopped.group(1) == signal.Signals(signum).name, err[-2000:]
-    step = int(stopped.group(2))
-    assert step in (1, 2) and read_manifest(stopped.group(3))["step"] == step  # saved although 5 does not divide it
+    finished = int(stopped.group(2))
+    assert finished in (step, step + 1) and read_manifest(stopped.group(3))["step"] == finished  # saved although 5 does not divide it
     resume = stopped.group(4)
     assert resume.endswith("--resume") and "--save_state_every 5" in resume
-    finished = subprocess.run(resume.replace("python", sys.executable, 1), shell=True, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    argv = shlex.split(resume)  # the shell's quoting rules
+    assert argv[0] == "python"
+    return finished, [sys.executable, *argv[1:]]
+
+
+@pytest.mark.slow
+def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(pipeline):
+    """Ctrl-C stops a run; its resume command, stopped by SIGTERM, prints another; that one finishes."""
+    name = "signals"
+    command = [sys.executable, "-m", "alignment.train_rl", *flags(pipeline, name, "--save_state_every", "5", "--max_steps", "6")]
+    first, resume = stop_at_step(command, 1, signal.SIGINT)
+    second, resume = stop_at_step(resume, first + 1, signal.SIGTERM)
+    assert second <= 4
+    finished = subprocess.run(resume, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]
     steps = [s["step"] for s in steps_log(pipeline, name)]
     assert steps == list(range(1, 7))
