@@ -74,7 +74,7 @@ def test_train_rl_under_torchrun_end_to_end(tmp_path):
 
 
 def processes_mentioning(text: str) -> list[int]:
-    """The live processes other than this one whose command line contains `text` (a zombie's is empty)."""
+    """The processes other than this one whose command line contains `text`."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
@@ -86,19 +86,35 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def exited(pid: int) -> bool:
+    """True once every thread of `pid` has exited (zombies, or gone): a killed process's first thread
+    turns zombie while the others still hold its files open, and with them its locks."""
+    import glob
+
+    for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
+        try:
+            with open(stat) as handle:
+                if handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return False
+        except FileNotFoundError:
+            pass
+    return True
+
+
 def kill_processes_mentioning(text: str, signal_number, timeout: float = 30.0) -> None:
     """Kill every process whose command line contains `text` (a crash of the whole launch), and
-    wait until none is left: a rank's file locks are held until it has exited."""
+    wait until each has exited: a rank holds its run's file locks until then."""
     import time
 
+    pids = processes_mentioning(text)
+    for pid in pids:
+        try:
+            os.kill(pid, signal_number)
+        except ProcessLookupError:
+            pass
     deadline = time.time() + timeout
-    while pids := processes_mentioning(text):
-        for pid in pids:
-            try:
-                os.kill(pid, signal_number)
-            except ProcessLookupError:
-                pass
-        assert time.time() < deadline, f"processes {pids} outlived {signal_number}"
+    while alive := [pid for pid in pids if not exited(pid)]:
+        assert time.time() < deadline, f"processes {alive} outlived signal {signal_number}"
         time.sleep(0.05)
 
 

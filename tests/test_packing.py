@@ -88,8 +88,7 @@ def test_packed_update_takes_the_padded_update_step(task, batch):
     assert torch.allclose(packed_delta, padded_delta, atol=1e-6, rtol=1e-4)
 
 
-# Not marked slow, so it runs after the slow tests have started, among them the packed train_rl run below,
-# which compiles the same layer graphs: torch's compile cache then serves them (5 s against 20 s cold).
+@pytest.mark.slow
 def test_packed_update_under_compiled_layers_equals_eager(task, batch):
     """--torch_compile's per-layer graphs (dynamic shapes) around the packed attention."""
     eager, eager_delta = one_update(task, batch, pack=True)
