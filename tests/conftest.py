@@ -104,6 +104,22 @@ def parity_reward(responses, ground_truths, **_):
     return [{"reward": float(len(r) % 2 == 0), "format_reward": 1.0, "answer_reward": float(len(r) % 2 == 0)} for r in responses]
 
 
+def process_exited(pid: int) -> bool:
+    """True once every thread of `pid` has exited (zombies, or gone; Linux /proc). A killed process's
+    first thread turns zombie while its other threads still exit and hold its files open, with them
+    any file lock (a run's output lock) and any pipe."""
+    import glob
+
+    for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
+        try:
+            with open(stat) as handle:
+                if handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return False
+        except FileNotFoundError:
+            pass
+    return True
+
+
 def train_rl_command(flags: list[str], reward: str | None = None) -> list[str]:
     """`python -m alignment.train_rl <flags>` in a fresh process; `reward` names a function of this
     module that replaces the grader there (e.g. "parity_reward"); run it with `child_env()`."""

@@ -12,7 +12,7 @@ from alignment.errors import UserError
 from alignment.grpo import grpo_microbatch_train_step
 from alignment.rollout import SamplingSettings
 from alignment.sampler_process import RolloutsAhead, SamplerProcess
-from conftest import child_env, kill_train_rl_after_saved_state, make_tiny_task, steps_log, train_rl_flags
+from conftest import child_env, kill_train_rl_after_saved_state, make_tiny_task, process_exited, steps_log, train_rl_flags
 
 SAMPLER_ARGS = SimpleNamespace(hf_batch_size=8, vllm_gpu_memory_utilization=None, vllm_kv_cache_gb=0.25, vllm_enforce_eager=None)
 
@@ -109,14 +109,6 @@ def test_staleness_of_the_seeds_frozen_sampler_counts_every_update(task):
     assert [s["train/staleness"] for s in steps_log(task, "frozen")] == [0, 1, 2]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
 def _children(pid: int) -> list[int]:
     import glob
 
@@ -162,9 +154,9 @@ def test_a_killed_trainer_leaves_no_sampler_or_engine_process_behind(task, tmp_p
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(_alive(pid) for pid in [sampler_pid, *engine_pids]):
+        while time.monotonic() < deadline and not all(process_exited(pid) for pid in [sampler_pid, *engine_pids]):
             time.sleep(0.5)
-        assert not any(_alive(pid) for pid in [sampler_pid, *engine_pids]), "sampler or engine core outlived the trainer"
+        assert all(process_exited(pid) for pid in [sampler_pid, *engine_pids]), "sampler or engine core outlived the trainer"
         print(f"sampler and engine core gone {time.monotonic() - (deadline - 60):.1f}s after the trainer was killed")
     finally:
         trainer.kill()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO_ROOT, make_tiny_task, steps_log, train_rl_flags
+from conftest import REPO_ROOT, make_tiny_task, process_exited, steps_log, train_rl_flags
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
@@ -86,21 +86,6 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def exited(pid: int) -> bool:
-    """True once every thread of `pid` has exited (zombies, or gone): a killed process's first thread
-    turns zombie while the others still hold its files open, and with them its locks."""
-    import glob
-
-    for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
-        try:
-            with open(stat) as handle:
-                if handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    return False
-        except FileNotFoundError:
-            pass
-    return True
-
-
 def kill_processes_mentioning(text: str, signal_number, timeout: float = 30.0) -> None:
     """Kill every process whose command line contains `text` (a crash of the whole launch), and
     wait until each has exited: a rank holds its run's file locks until then."""
@@ -113,7 +98,7 @@ def kill_processes_mentioning(text: str, signal_number, timeout: float = 30.0) -
         except ProcessLookupError:
             pass
     deadline = time.time() + timeout
-    while alive := [pid for pid in pids if not exited(pid)]:
+    while alive := [pid for pid in pids if not process_exited(pid)]:
         assert time.time() < deadline, f"processes {alive} outlived signal {signal_number}"
         time.sleep(0.05)
 

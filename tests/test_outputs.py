@@ -295,8 +295,8 @@ def test_a_torn_last_line_of_steps_log_does_not_block_resume(pipeline, monkeypat
     assert [json.loads(line)["step"] for line in torn_log.read_text().splitlines()] == [1, 2, 3]  # every line whole again
 
 
-def stop_at_step(command: list[str], step: int, signum) -> tuple[int, str]:
-    """Run train_rl's `command`, send `signum` once it logs step `step`, and check how it stops:
+def stop_at_step(command: list[str], step: int, signum) -> tuple[int, list[str]]:
+    """Run train_rl's `command` (a 6-step run), send `signum` once it logs step `step`, and check how it stops:
     the exit code, no traceback, a training state of the step it finished, the resume command.
     Returns that step and the resume command's argv, with this interpreter for `python`."""
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
