@@ -87,20 +87,55 @@ def processes_mentioning(text: str) -> list[int]:
 
 
 def kill_processes_mentioning(text: str, signal_number, timeout: float = 30.0) -> None:
-    """Kill every process whose command line contains `text` (a crash of the whole launch), and
-    wait until each has exited: a rank holds its run's file locks until then."""
+    """Kill every process whose command line contains `text` (a crash of the whole launch), and any
+    that appears meanwhile, then wait until each has exited: a rank holds its run's file locks until then."""
     import time
 
-    pids = processes_mentioning(text)
-    for pid in pids:
-        try:
-            os.kill(pid, signal_number)
-        except ProcessLookupError:
-            pass
     deadline = time.time() + timeout
-    while alive := [pid for pid in pids if not process_exited(pid)]:
+    killed: set[int] = set()
+    while alive := sorted(pid for pid in killed | set(processes_mentioning(text)) if not process_exited(pid)):
+        for pid in set(alive) - killed:
+            try:
+                os.kill(pid, signal_number)
+            except ProcessLookupError:
+                pass
+        killed.update(alive)
         assert time.time() < deadline, f"processes {alive} outlived signal {signal_number}"
         time.sleep(0.05)
+
+
+def wait_until_unlocked(locks, timeout: float = 30.0) -> None:
+    """Wait until no process holds any of the run locks `locks` (exclusive flocks); name the holders of one still held after `timeout`."""
+    import fcntl
+    import time
+
+    deadline = time.time() + timeout
+    for lock in locks:
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    break
+                except BlockingIOError:
+                    assert time.time() < deadline, f"{lock} still locked {timeout} s after its run was killed; open in {lock_holders(lock)}"
+                    time.sleep(0.05)
+        finally:
+            os.close(fd)
+
+
+def lock_holders(lock) -> list[str]:
+    """`pid state command` of each process but this one with `lock` open."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int(entry.name) != os.getpid() and any(os.readlink(fd) == str(lock) for fd in (entry / "fd").iterdir()):
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                found.append(f"{entry.name} {state} {(entry / 'cmdline').read_bytes().replace(bytes(1), b' ')[:200].decode()}")
+        except OSError:
+            pass
+    return found
 
 
 @pytest.mark.slow
@@ -123,6 +158,7 @@ def test_state_saved_by_two_ranks_resumes_in_one_process(tmp_path, capsys):
             break
         assert time.time() < deadline
     process.wait()
+    wait_until_unlocked(sorted(tmp_path.rglob("*.lock")))
     counters = json.loads((tmp_path / "rl.state" / "counters.json").read_text())
     assert counters["step"] == 1 and counters["world_size"] == 2
     capsys.readouterr()
