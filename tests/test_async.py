@@ -1,6 +1,7 @@
 """train_rl --rollout_staleness: the sampler in its own process, generating ahead of the
 policy, and the truncated importance sampling that corrects for it (CPU, tiny model)."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -145,10 +146,11 @@ def test_a_killed_trainer_leaves_no_sampler_or_engine_process_behind(task, tmp_p
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path), env=child_env())
     try:
         started = time.monotonic()
-        while "IN_ORDER SAMPLER_PID" not in (text := (tmp_path / "trainer.log").read_text()):  # vLLM logs to stdout too
+        # the whole line: vLLM logs to the same file, and a buffer's flush can end inside it
+        while not (line := re.search(r"IN_ORDER SAMPLER_PID (\d+)\n", text := (tmp_path / "trainer.log").read_text())):
             assert trainer.poll() is None and time.monotonic() - started < 300, "the trainer ended before its checks passed:\n" + text[-3000:]
             time.sleep(0.2)
-        sampler_pid = int(text.split("IN_ORDER SAMPLER_PID", 1)[1].split()[0])
+        sampler_pid = int(line.group(1))
         engine_pids = _children(sampler_pid)
         assert engine_pids, "vLLM's engine core should run as the sampler process's child"
         trainer.send_signal(signal.SIGKILL)

@@ -60,17 +60,17 @@ def test_an_engine_process_gets_a_socket_folder_only_where_the_socket_paths_fit(
     from alignment.rollout import _private_rpc_folder
 
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
-    base = Path(tempfile.mkdtemp())  # the temp folder, short: pytest's tmp_path is too deep for a socket folder
+    base = Path(tempfile.mkdtemp())  # the temp folder, short: pytest's tmp_path may be too deep for a socket folder
     try:
         folder = Path(_private_rpc_folder(str(base)))
         assert folder.parent == base and folder.name.startswith("vllm-rpc-") and os.environ["VLLM_RPC_BASE_PATH"] == str(folder)
+        monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+        deep = base / ("d" * (zmq.IPC_PATH_MAX_LEN - 38 - len(str(base))))  # "<deep>/<UUID>" is the limit exactly: no room for a folder
+        deep.mkdir()
+        assert _private_rpc_folder(str(deep)) is None
+        assert list(deep.iterdir()) == [] and "VLLM_RPC_BASE_PATH" not in os.environ
     finally:
         shutil.rmtree(base)
-    monkeypatch.delenv("VLLM_RPC_BASE_PATH")
-    deep = tmp_path / ("d" * (zmq.IPC_PATH_MAX_LEN - 36 - len(str(tmp_path))))
-    deep.mkdir()
-    assert _private_rpc_folder(str(deep)) is None
-    assert list(deep.iterdir()) == [] and "VLLM_RPC_BASE_PATH" not in os.environ
 
 
 def test_direct_copy_plan_fills_fused_and_vocabulary_padded_parameters():
