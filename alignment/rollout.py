@@ -335,9 +335,6 @@ class VllmEngine:
             from vllm import LLM
         except ImportError as error:
             raise UserError(f"vLLM is not importable ({error}); install it (see README) or pass --rollout_backend hf / --backend hf") from None
-        if engine_process:
-            self._rpc_base = os.environ.get("VLLM_RPC_BASE_PATH")
-            self._rpc_folder = _private_rpc_folder(self._rpc_base)
         under_torchrun = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         if enforce_eager is None:  # eager on a CPU: compiling there costs seconds at start-up and gains nothing measurable
             enforce_eager = device == "cpu"
@@ -361,7 +358,10 @@ class VllmEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization or (0.3 if shares_gpu else 0.85)
         previous = torch.cuda.current_device() if torch.cuda.is_available() and not engine_process else None
         started = time.perf_counter()
-        if not engine_process:
+        if engine_process:
+            self._rpc_base = os.environ.get("VLLM_RPC_BASE_PATH")
+            self._rpc_folder = _private_rpc_folder(self._rpc_base)
+        else:
             # vLLM's engine core runs full garbage collections while it starts (loading weights,
             # profiling memory), then freezes the heap until its shutdown. Frozen now, those
             # passes skip the ~650,000 objects of torch's, transformers' and vLLM's modules: on
