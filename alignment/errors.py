@@ -7,7 +7,10 @@ a run stopped by SIGINT or SIGTERM ends with the line that says how to resume it
 the shell's exit code for that signal (130, 143).
 """
 
+import gc
 import sys
+
+from alignment import resume_collector
 
 
 class UserError(Exception):
@@ -28,6 +31,7 @@ class RunStopped(Exception):
 
 def run_cli(main, argv=None) -> int:
     """Call `main(argv)`; turn a `UserError` into `error: ...` on stderr and exit 2."""
+    froze = resume_collector()  # `python -m alignment.<tool>`: the tool's imports are done
     try:
         main(argv)
     except UserError as error:
@@ -39,4 +43,7 @@ def run_cli(main, argv=None) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training loop
         print("interrupted (Ctrl-C); the last saved checkpoint or training state is intact", file=sys.stderr)
         sys.exit(130)
+    finally:
+        if froze:
+            gc.unfreeze()
     return 0

@@ -28,7 +28,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from alignment import drgrpo_grader  # noqa: E402
+from alignment import drgrpo_grader, resume_collector  # noqa: E402
 
 
 def verdict(answer: str, truths: list[str], fast: bool, seconds: float) -> bool:
@@ -44,6 +44,7 @@ def reply(stream, value) -> None:
 
 
 def main() -> None:
+    resume_collector()  # grading sympy expressions makes reference cycles; sympy's own objects stay frozen
     # Replies go to a private copy of stdout; fd 1 itself now points at stderr, so a stray
     # print() in a library lands in the log instead of corrupting a reply.
     replies = os.fdopen(os.dup(1), "wb")

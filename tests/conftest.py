@@ -137,7 +137,8 @@ def train_rl_command(flags: list[str], reward: str | None = None) -> list[str]:
     module that replaces the grader there (e.g. "parity_reward"); run it with `child_env()`."""
     import sys
 
-    script = "import sys\nfrom alignment import train_rl\nfrom alignment.errors import run_cli\n"
+    # the collector off while it imports, as `python -m alignment.train_rl` starts (alignment/__init__.py)
+    script = "import sys\nimport alignment\nalignment.pause_collector()\nfrom alignment import train_rl\nfrom alignment.errors import run_cli\n"
     if reward:
         script += f"import conftest\ntrain_rl.grade_responses = conftest.{reward}\n"
     return [sys.executable, "-c", script + "run_cli(train_rl.main, sys.argv[1:])\n", *flags]

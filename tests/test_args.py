@@ -154,3 +154,44 @@ def test_packing_stays_off_by_default_for_sliding_window_layers(toy_data):
     speed, _ = resolve_speed_flags(args, "cuda:0", 1, SimpleNamespace(layer_types=["full_attention", "sliding_attention"]))
     assert speed == {"torch_compile": True, "pack_sequences": False}
     assert args.pack_sequences is None and args.torch_compile is None  # the flags stay as parsed
+
+
+COLLECTOR_AT_START = (
+    "import gc, sys\n"
+    "sys.argv[:1], sys.orig_argv = [sys.argv[1]], [sys.executable, *sys.argv[1:]]  # as Python sets them under -m\n"
+    "import alignment\n"
+    "paused = not gc.isenabled()\n"
+    "print(paused, alignment.resume_collector(), gc.isenabled(), gc.get_freeze_count() > 0, alignment.resume_collector())\n"
+)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["-m", "alignment.train_rl"], "True True True True False"),  # a tool's start: off while it imports, then on, the imports frozen
+    (["-m", "somebody_elses.tool"], "False False True False False"),  # imported by another program: left alone
+    (["-c", "alignment.train_rl"], "False False True False False"),
+])
+def test_the_collector_is_off_only_while_a_tool_of_ours_starts(argv, expected):
+    done = subprocess.run([sys.executable, "-c", COLLECTOR_AT_START, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == expected, done.stderr[-2000:]
+
+
+def test_run_cli_turns_the_paused_collector_back_on_and_unfreezes_at_the_end():
+    import gc
+
+    import alignment
+
+    seen = []
+    frozen_before = gc.get_freeze_count()
+    gc.unfreeze()
+    try:
+        alignment.pause_collector()
+        run_cli(lambda argv: seen.append((gc.isenabled(), gc.get_freeze_count() > 0)))
+        assert seen == [(True, True)] and gc.isenabled() and gc.get_freeze_count() == 0
+        alignment.pause_collector()
+        with pytest.raises(SystemExit):
+            run_cli(lambda argv: (_ for _ in ()).throw(KeyboardInterrupt))
+        assert gc.isenabled() and gc.get_freeze_count() == 0  # on again after a tool that stopped on Ctrl-C too
+    finally:
+        gc.enable()
+        if frozen_before:
+            gc.freeze()
