@@ -3,7 +3,7 @@
 `python -m alignment.<tool>` imports this package first, while Python still holds "-m" in
 sys.argv[0]. The cyclic garbage collector then stays off while the tool imports torch,
 transformers and vLLM: each full collection those imports set off walks every object imported
-so far (~650,000), about 1 CPU-s of each tool's start on a 2-core CPU. The tool turns it back
+so far (~650,000), 0.5-1 CPU-s of each tool's start on a 2-core CPU. The tool turns it back
 on first thing (`resume_collector`, called by `errors.run_cli` and the grader worker), with what
 the imports built frozen, so later collections skip it too. Imported any other way, the
 package leaves the collector alone.
