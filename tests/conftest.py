@@ -119,7 +119,8 @@ def parity_reward(responses, ground_truths, **_):
 def process_exited(pid: int) -> bool:
     """True once every thread of `pid` has exited (zombies, or gone; Linux /proc). A killed process's
     first thread turns zombie while its other threads still exit and hold its files open, with them
-    any file lock (a run's output lock) and any pipe."""
+    any file lock (a run's output lock) and any pipe. A thread reaped between the listing and the
+    read fails the read with ENOENT or, once its entry is half torn down, ESRCH: both mean it exited."""
     import glob
 
     for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
@@ -127,7 +128,7 @@ def process_exited(pid: int) -> bool:
             with open(stat) as handle:
                 if handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
                     return False
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             pass
     return True
 

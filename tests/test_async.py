@@ -115,8 +115,11 @@ def _children(pid: int) -> list[int]:
 
     found = []
     for path in glob.glob(f"/proc/{pid}/task/*/children"):
-        with open(path) as handle:
-            found += [int(child) for child in handle.read().split()]
+        try:
+            with open(path) as handle:
+                found += [int(child) for child in handle.read().split()]
+        except (FileNotFoundError, ProcessLookupError):  # that thread exited after the listing
+            pass
     return found
 
 
