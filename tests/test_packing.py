@@ -89,6 +89,7 @@ def test_packed_update_takes_the_padded_update_step(task, batch):
 
 
 @pytest.mark.slow
+@pytest.mark.after_compiles  # its layer graphs are among those the end-to-end --torch_compile run below compiles
 def test_packed_update_under_compiled_layers_equals_eager(task, batch):
     """--torch_compile's per-layer graphs (dynamic shapes) around the packed attention."""
     eager, eager_delta = one_update(task, batch, pack=True)
