@@ -22,6 +22,7 @@ def run_bench(script, out, *flags, env=None):
 
 
 @pytest.mark.slow
+@pytest.mark.after_compiles  # its compiled scoring's kernels are among those test_packing's --torch_compile run compiles
 def test_update_and_logprob_bench(tmp_path):
     run_bench("bench_update.py", tmp_path, "--device", "cpu", "--tiny", "--batch_size", "16", "--repeats", "1",
               "--variants", "naive_unsorted_mb8,fused_sorted_mb8,packed_mb16", "--logprob_variants", "logprob_fused_mb32,logprob_packed_mb64,logprob_packed_mb64_compile")
