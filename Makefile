@@ -38,11 +38,11 @@ demo: install
 # Two workers of one thread each share the cores (most tests wait on process and engine starts;
 # two threads per worker would spin against each other); the tests that time the grader
 # (test_grader.py, where conftest keeps them) run after them, alone. TEST_WORKERS=0 runs the
-# first part in this process too.
+# first part in this process too. The first part ends with its 15 longest tests and their seconds.
 TEST_WORKERS ?= 2
 
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist load --maxschedchunk 1 -m "not timed" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist load --maxschedchunk 1 --durations 15 -m "not timed" tests
 	$(PY) -m pytest -q -p no:cacheprovider -m timed tests/test_grader.py
 
 data: install
