@@ -365,8 +365,9 @@ def resolve_speed_flags(args, main_device, world_size: int = 1, config=None) -> 
     auto = [name for name in ("torch_compile", "pack_sequences") if getattr(args, name) is None]
     torch_compile, pack_sequences = args.torch_compile, args.pack_sequences
     if torch_compile is None:
-        # the hf backend samples with the policy itself when it syncs every step in one process:
-        # generation through compiled layers would recompile per decoding length
+        # the hf backend samples with the policy itself when it syncs every step in one process;
+        # its generation runs eagerly through compiled layers (HfEngine), and no measurement
+        # says compiling pays in such a run, so the default leaves it off there
         self_sampling = args.rollout_backend == "hf" and not args.rollout_staleness and args.rollout_sync_every == 1 and world_size == 1
         torch_compile = gpu and not args.gradient_checkpointing and not self_sampling
     if pack_sequences is None:

@@ -83,7 +83,10 @@ class HfEngine:
     With `--rollout_sync_every 1` the engine wraps the policy itself, so a "sync" is
     free; otherwise it wraps its own copy and `load_weights` copies the policy in.
     `compute_dtype` runs generation under autocast (an fp32-master policy samples
-    with the bf16 compute the trainer uses).
+    with the bf16 compute the trainer uses). Generation runs eagerly even through
+    layers compiled for the update (--torch_compile): each decoding step changes the
+    KV cache's state and length, and the compiled layers would recompile for them
+    until torch's recompile limit sent them back to eager anyway.
     """
 
     def __init__(self, model, tokenizer, batch_size: int = 64, compute_dtype: torch.dtype = torch.float32):
@@ -134,7 +137,7 @@ class HfEngine:
 
                     processors = [TemperatureLogitsWarper(sampling.temperature)] + ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else [])
                     processors = LogitsProcessorList(processors + ([recorder] if recorder else []))
-                with autocast(str(self.device), self.compute_dtype):
+                with autocast(str(self.device), self.compute_dtype), torch.compiler.set_stance("force_eager"):
                     generated = self.model.generate(
                         **batch,
                         do_sample=sample,

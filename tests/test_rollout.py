@@ -144,6 +144,23 @@ def test_hf_engine_load_weights_copies_the_policy(tiny_model_and_tokenizer):
     assert texts(sampler) == texts(HfEngine(policy, tokenizer))
 
 
+def test_hf_engine_generates_eagerly_through_layers_compiled_for_the_update(tiny_model_and_tokenizer):
+    """--torch_compile compiles the policy's layers for the update; the HF backend's generation
+    through them (the policy samples itself) compiles no graph and gives the plain model's tokens."""
+    from torch._dynamo.utils import counters
+
+    from alignment.policy_update import compile_layers
+
+    model, tokenizer = tiny_model_and_tokenizer
+    expected = texts(HfEngine(model, tokenizer))
+    compiled = copy.deepcopy(model)
+    compile_layers(compiled)
+    graphs = counters["stats"]["unique_graphs"]
+    assert texts(HfEngine(compiled, tokenizer)) == expected
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert all(layer._compiled_call_impl is not None for layer in compiled.model.layers)  # still compiled for the update
+
+
 # ------------------------------------------------ the sampler's own log-probs
 
 def trainer_log_probs(model, tokenizer, generations, temperature):
