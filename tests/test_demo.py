@@ -2,6 +2,7 @@
 
 import json
 import random
+import sys
 
 import pytest
 
@@ -74,6 +75,22 @@ def test_the_demo_tokenizer_keeps_the_r1_zero_tags_whole(tmp_path):
     assert prompt[0] == before and prompt[-1] == after and "".join(prompt[1:-1]) == "Mia has 2 stamps."
 
 
+def test_output_of_a_stage_run_in_the_demos_process_is_logged_whole_and_shown_without_progress_bars(tmp_path, capsys):
+    from alignment.toy.demo import _LineTee
+
+    with open(tmp_path / "stage.log", "w") as log:
+        tee = _LineTee(log, sys.stdout)
+        tee.write("Loading weights:   0%| 0/38 [00:00<?, ?it/s]\rLoading weights: 100%| 38/38 [00:00<00:00, 11.2it/s]\n")
+        tee.write("accuracy ")
+        tee.write("0.125\r\nWARNING a log record\nwrote metrics")
+        tee.finish()
+    assert (tmp_path / "stage.log").read_text().splitlines() == [
+        "Loading weights:   0%| 0/38 [00:00<?, ?it/s]", "Loading weights: 100%| 38/38 [00:00<00:00, 11.2it/s]",
+        "accuracy 0.125", "WARNING a log record", "wrote metrics",
+    ]
+    assert capsys.readouterr().out == "accuracy 0.125\nwrote metrics\n"
+
+
 @pytest.mark.slow
 def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path):
     """The real demo (real CLIs in subprocesses, default backend), fewer problems and steps."""
@@ -91,6 +108,8 @@ def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path):
     assert written["num_test_examples"] == 48
     assert written["backend"] == ("vllm" if demo.vllm_available() else "hf")  # train_rl's rollouts
     assert written["eval_backend"] == "hf" and json.loads((tmp_path / "runs" / "eval_sft" / "metrics.json").read_text())["backend"] == "hf"
+    # the evaluations ran in the demo's process, their output kept in a log per stage as the trainers' is
+    assert "accuracy (avg_all_rewards)" in (tmp_path / "runs" / "eval_sft.log").read_text()
     assert written["base_accuracy"] == 0.0  # a random model never closes the r1_zero format
     assert written["format_rate_sft"] > 0.9
     assert written["sft_accuracy"] > written["base_accuracy"]  # one SFT epoch on 1200 problems: ~0.1

