@@ -132,9 +132,11 @@ def _run_here(stage: str, module: str, flags: list[str], log_dir: Path) -> float
     started = time.perf_counter()
     with open(log_dir / f"{stage}.log", "w") as log:
         tee = _LineTee(log, sys.stdout)
-        with contextlib.redirect_stdout(tee), contextlib.redirect_stderr(tee):
-            importlib.import_module(module).main(flags)
-        tee.finish()
+        try:
+            with contextlib.redirect_stdout(tee), contextlib.redirect_stderr(tee):
+                importlib.import_module(module).main(flags)
+        finally:
+            tee.finish()  # a last line without its newline, kept even when main raised
     return time.perf_counter() - started
 
 
