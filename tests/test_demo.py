@@ -93,7 +93,8 @@ def test_output_of_a_stage_run_in_the_demos_process_is_logged_whole_and_shown_wi
 
 @pytest.mark.slow
 def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path):
-    """The real demo (real CLIs in subprocesses, default backend), fewer problems and steps."""
+    """The real demo (the trainers' CLIs in subprocesses, the evaluations' main() in its process, default backend),
+    fewer problems and steps."""
     from alignment.toy import demo
 
     summary = demo.main([

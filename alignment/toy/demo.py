@@ -94,20 +94,6 @@ def _echo(line: str, log, shown) -> None:
         print(line, end="", file=shown, flush=True)
 
 
-def _run(stage: str, module: str, flags: list[str], log_dir: Path) -> float:
-    """Run `python -m <module> <flags>`, echo its output, return its seconds."""
-    print(f"\n=== {stage}: python -m {module} {' '.join(flags)}", flush=True)
-    started = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    with open(log_dir / f"{stage}.log", "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", module, *flags], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in process.stdout:
-            _echo(line, log, sys.stdout)
-        if process.wait():
-            raise SystemExit(f"{stage} failed (exit {process.returncode}); see {log_dir / f'{stage}.log'}")
-    return time.perf_counter() - started
-
-
 class _LineTee(io.TextIOBase):
     """A text stream that hands each whole line to `_echo` (a progress bar's carriage return ends one too)."""
 
@@ -126,17 +112,26 @@ class _LineTee(io.TextIOBase):
             self.pending = ""
 
 
-def _run_here(stage: str, module: str, flags: list[str], log_dir: Path) -> float:
-    """`<module>.main(flags)` in this process, its output echoed and logged as `_run` does; return its seconds."""
-    print(f"\n=== {stage}: python -m {module} {' '.join(flags)} (in this process)", flush=True)
+def _run(stage: str, module: str, flags: list[str], log_dir: Path, in_process: bool = False) -> float:
+    """Run `python -m <module> <flags>`, or `<module>.main(flags)` in this process; echo its output, keep all
+    of it in <log_dir>/<stage>.log, return its seconds."""
+    print(f"\n=== {stage}: python -m {module} {' '.join(flags)}{' (in this process)' if in_process else ''}", flush=True)
     started = time.perf_counter()
     with open(log_dir / f"{stage}.log", "w") as log:
-        tee = _LineTee(log, sys.stdout)
-        try:
-            with contextlib.redirect_stdout(tee), contextlib.redirect_stderr(tee):
-                importlib.import_module(module).main(flags)
-        finally:
-            tee.finish()  # a last line without its newline, kept even when main raised
+        if in_process:
+            tee = _LineTee(log, sys.stdout)
+            try:
+                with contextlib.redirect_stdout(tee), contextlib.redirect_stderr(tee):
+                    importlib.import_module(module).main(flags)
+            finally:
+                tee.finish()  # a last line without its newline, kept even when main raised
+        else:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+            process = subprocess.Popen([sys.executable, "-m", module, *flags], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for line in process.stdout:
+                _echo(line, log, sys.stdout)
+            if process.wait():
+                raise SystemExit(f"{stage} failed (exit {process.returncode}); see {log_dir / f'{stage}.log'}")
     return time.perf_counter() - started
 
 
@@ -187,8 +182,7 @@ def main(argv=None) -> dict:
 
     def evaluate(name, path):
         flags = ["--model_path", str(path), "--backend", args.eval_backend, "--output_dir", str(out / f"eval_{name}"), "--vllm_kv_cache_gb", "0.5", *CONFIG["eval"], *common]
-        run = _run_here if args.eval_backend == "hf" else _run
-        seconds[f"eval_{name}"] = run(f"eval_{name}", "alignment.evaluate", flags, out)
+        seconds[f"eval_{name}"] = _run(f"eval_{name}", "alignment.evaluate", flags, out, in_process=args.eval_backend == "hf")
         return json.loads((out / f"eval_{name}" / "metrics.json").read_text())
 
     base_metrics = evaluate("base", base)
