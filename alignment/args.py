@@ -275,6 +275,9 @@ def _check_objective_variants(args) -> None:
 def _add_rl_evaluation_and_logging(parser) -> None:
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--evaluate_freq", type=_non_negative_int, default=10, help="evaluate every N rollout steps (0 = only at the end)")
+    evaluation.add_argument("--evaluate_at_start", action=argparse.BooleanOptionalAction, default=False,
+                            help="also evaluate the start checkpoint before the first step (step 0 of evals.jsonl and TensorBoard, verl's val_before_train), "
+                                 "so a run's curve starts where it started under its own evaluation settings; not on --resume")
     evaluation.add_argument("--eval_engine", choices=["sampler", "fresh"], default="sampler", help="sampler: sync weights into the rollout engine and evaluate there; fresh: save to --tmp_checkpoint_path and start a new vLLM on --eval_device (seed)")
     evaluation.add_argument("--eval_split", choices=["train", "test"], default="test", help="split used for evaluation")
     evaluation.add_argument("--eval_num_examples", type=_positive_int, default=None, help="evaluate on the first N examples (default: the whole split)")

@@ -252,6 +252,9 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     rollout_sampling = SamplingSettings.from_args(args, "sampling_")
     weights = lambda: ranks.full_weights(model)  # noqa: E731 - the policy's weights, gathered under FSDP
     eval_metrics, skipped_in_a_row = {}, 0
+    if args.evaluate_at_start and not state:  # step 0: the start checkpoint, evaluated as every later step is
+        eval_metrics, _ = evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, 0)
+        log.evaluation(0, eval_metrics, args.num_logged_rollouts)
 
     for step in range(progress["step"] + 1, total_steps + 1):
         progress["step"], step_started, timings = step, time.perf_counter(), dict.fromkeys(STEP_TIMINGS, 0.0)

@@ -77,6 +77,29 @@ def test_existing_checkpoint_is_only_evaluated(pipeline, capsys):
     assert written["num_examples"] == 8 and written["avg_all_rewards"] == metrics["avg_all_rewards"]
 
 
+def test_evaluate_at_start_evaluates_the_start_weights_as_step_0(pipeline, monkeypatch):
+    """--evaluate_at_start: one evaluation before the first update, logged as step 0, of the SFT checkpoint's weights (on the synced vLLM sampler)."""
+    from safetensors.torch import load_file
+
+    start = load_file(str(pipeline.sft / "model.safetensors"))
+    evaluated = []  # (step, whether the policy still held the start weights)
+
+    def recording(args, sampler, model, *rest):
+        held = {name: tensor for name, tensor in model.state_dict().items() if name in start}
+        evaluated.append((rest[-1], all(torch.equal(held[name], start[name]) for name in held)))
+        return real(args, sampler, model, *rest)
+
+    real = train_rl.evaluate_policy
+    monkeypatch.setattr(train_rl, "evaluate_policy", recording)
+    name = "evaluate_at_start"
+    train_rl.main(rl_flags(pipeline, name, "--rollout_backend", "vllm", "--max_steps", "2", "--evaluate_freq", "1", "--evaluate_at_start",
+                               "--entropy_coef", "0.1"))  # the random model earns no reward: the entropy bonus moves the weights
+    assert evaluated == [(0, True), (1, False), (2, False)]
+    evals = [json.loads(line) for line in (pipeline.root / "runs" / name / "evals.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in evals] == [0, 1, 2] and evals[0]["num_examples"] == 8
+    assert [event.step for event in scalar_tags(pipeline.root / "runs" / name)["eval/avg_all_rewards"]] == [0, 1, 2]
+
+
 @pytest.mark.slow
 def test_fresh_eval_engine_runs_in_a_child_process(pipeline):
     """--eval_engine fresh: the seed's save-then-temporary-vLLM path."""
