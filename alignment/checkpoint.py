@@ -1,12 +1,18 @@
 """Folders this tool owns: written atomically, checked on the way back in, one writer at a time.
 
 Every folder train_rl and train_sft write (the SFT and RL checkpoints, the training
-state, the temporary evaluation checkpoint) is written whole into a sibling
-`<path>.tmp-<pid>-<thread>` and only then swapped in, so a crash mid-write never
-costs the previous one. A folder cannot be renamed over a non-empty one, so the swap
-is two renames: `<path>` -> `<path>.old`, then tmp -> `<path>`; a crash between
-them leaves `<path>.old`, which `recover_checkpoint` renames back the next time
-anything reads the path.
+state, the temporary evaluation checkpoint) is written whole into a sibling temp folder
+and only then swapped in, so a crash mid-write never costs the previous one. A folder
+cannot be renamed over a non-empty one, so the swap is two renames: `<path>` to its
+backup, then the temp folder to `<path>`; a crash between them leaves the backup, which
+`recover_checkpoint` renames back the next time a run takes the path.
+
+The tool's own names beside `<path>` are hidden and carry its name, so that no name a
+user picks (`<path>.old`, `<path>.tmp`, `<path>.lock`) is ever touched:
+`.<name>.alignment-tmp-<pid>-<thread>` (the temp folder, marked as this tool's for this
+path from its first moment), `.<name>.alignment-old` (the backup, always a folder this
+tool wrote) and `.<name>.alignment-lock` (the lock file). Leftovers are recovered only
+under the path's lock, and only when the folder says this tool wrote it for this path.
 
 Each folder carries MANIFEST_NAME: who wrote it, what kind of folder it is (KINDS),
 the size and SHA-256 of every file (and, for a training state, the flags that define
@@ -22,9 +28,9 @@ the run and the id of the run that wrote it). So the tool
   `check_saved_model`, which also reads a foreign checkpoint's safetensors headers);
 - writes a marker into each log folder it uses, and refuses a folder of the user's
   (`claim_log_folder`).
-`OutputLock` keeps a second run off the same paths (an exclusive `flock` on
-`<path>.lock`, released by the kernel when the process dies, so never stale), and the
-swap itself is serialised per path, within a process and across processes.
+`OutputLock` keeps a second run off the same paths (an exclusive `flock` on the lock
+file, released by the kernel when the process dies, so never stale), and the swap
+itself is serialised per path, within a process and across processes.
 """
 
 import fcntl
@@ -42,6 +48,7 @@ from alignment.errors import UserError
 
 MANIFEST_NAME = "alignment_manifest.json"
 LOG_MARKER_NAME = "alignment_log.json"
+TEMP_MARKER_NAME = "alignment_temp.json"  # inside a temp folder until its manifest is written: whose it is, for which path
 WRITER = "alignment"
 # What a folder holds; a folder is replaced only by a write of its own kind.
 KINDS = ("sft_checkpoint", "rl_checkpoint", "eval_checkpoint", "training_state")
@@ -64,7 +71,7 @@ def _is_empty_folder(path: Path) -> bool:
 
 
 def _files_under(folder: Path) -> set[str]:
-    return {str(file.relative_to(folder)) for file in folder.rglob("*") if file.is_file() and file.name != MANIFEST_NAME}
+    return {str(file.relative_to(folder)) for file in folder.rglob("*") if file.is_file() and file.name not in (MANIFEST_NAME, TEMP_MARKER_NAME)}
 
 
 def ownership_problem(path, kind: str) -> str | None:
@@ -95,12 +102,11 @@ def ownership_problem(path, kind: str) -> str | None:
 
 def check_output_path(path, flag: str, kind: str) -> None:
     """Start-up check of a folder this run will write as `kind`: replaceable (see
-    `ownership_problem`) and writable.
+    `ownership_problem`) and writable. Run it after `recover_checkpoint`, under the lock.
 
     Raises UserError (nothing touched) otherwise.
     """
     path = Path(path)
-    recover_checkpoint(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file, not a folder; pass a folder path (nothing was changed)")
     problem = ownership_problem(path, kind)
@@ -169,7 +175,7 @@ def _file_table(folder: Path) -> dict:
     return {
         str(file.relative_to(folder)): {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
         for file in sorted(folder.rglob("*"))
-        if file.is_file() and file.name != MANIFEST_NAME
+        if file.is_file() and file.name not in (MANIFEST_NAME, TEMP_MARKER_NAME)
     }
 
 
@@ -204,7 +210,33 @@ _swap_guards_lock = threading.Lock()
 
 def _lock_file(path) -> Path:
     path = Path(path).absolute()
-    return path.with_name(path.name + ".lock")
+    return path.with_name(f".{path.name}.alignment-lock")
+
+
+def _backup_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.alignment-old")
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}.alignment-tmp-"
+
+
+LOCK_CONTENT_PREFIX = "alignment lock, pid "
+
+
+def _open_lock(lock: Path, flag: str, path) -> int:
+    """Open (creating) the lock file of `path`; UserError when the folder is not writable or the
+    file is not one this tool wrote (a lock file is empty or holds LOCK_CONTENT_PREFIX + pid)."""
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise UserError(f"{flag} {path}: cannot create its lock file {lock} ({error.strerror}); pass a writable path or fix its permissions") from None
+    content = os.pread(fd, len(LOCK_CONTENT_PREFIX), 0).decode(errors="replace")
+    if content and not LOCK_CONTENT_PREFIX.startswith(content):
+        os.close(fd)
+        raise UserError(f"{flag} {path}: {lock} is not a lock file this tool wrote; move it away (nothing was changed)")
+    return fd
 
 
 class OutputLock:
@@ -225,16 +257,15 @@ class OutputLock:
     def _acquire(self, lock: Path, flag: str, path) -> None:
         if str(lock) in _held:
             return
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(lock, flag, path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            owner = os.pread(fd, 128, 0).decode(errors="replace").removeprefix(LOCK_CONTENT_PREFIX).strip() or "unknown"
             os.close(fd)
             raise UserError(f"{flag} {path} is in use by another run (pid {owner}, lock {lock}); wait for it to end or pass another path") from None
         os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        os.pwrite(fd, f"{LOCK_CONTENT_PREFIX}{os.getpid()}\n".encode(), 0)
         _held[str(lock)] = fd
         self.held.append(str(lock))
 
@@ -252,7 +283,7 @@ class OutputLock:
 
 @contextmanager
 def _swap_lock(path):
-    """Serialise writers of one path: threads by a lock, processes by flock on `<path>.lock`.
+    """Serialise writers of one path: threads by a lock, processes by flock on its lock file.
 
     A process that holds the run lock for the path (OutputLock) already excludes other
     processes, so only the thread lock is taken then.
@@ -264,8 +295,7 @@ def _swap_lock(path):
         if str(lock) in _held:
             yield
             return
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(lock, "writing", path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -276,34 +306,36 @@ def _swap_lock(path):
 # ------------------------------------------------------------------ atomic writes
 
 
-def _siblings(path: Path, marker: str):
-    return sorted(path.parent.glob(f"{path.name}.{marker}*")) if path.parent.exists() else []
+def _temp_owner(temp: Path) -> str | None:
+    """The path a temp folder was made for, when this tool made it (its marker, written first and kept until the swap)."""
+    try:
+        marker = json.loads((temp / TEMP_MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker.get("for") if isinstance(marker, dict) and marker.get("written_by") == WRITER else None
 
 
 def recover_checkpoint(path) -> None:
-    """Undo a swap interrupted between its two renames; drop temp folders of dead writers."""
+    """Undo what a writer of `path` that died mid-write left: a backup whose swap was cut
+    between its two renames goes back to `path` (or, with `path` written after all, away),
+    and temp folders this tool made for `path` are removed.
+
+    Call it holding the path's lock (OutputLock, or write_atomically's own), so that no live
+    writer, on this host or another, has a temp folder there. Only the tool's own hidden
+    names are looked at, and only folders that say this tool wrote them for `path`: a
+    user's `<path>.old` or `<path>.tmp` is never touched."""
     path = Path(path)
-    old = path.with_name(path.name + ".old")
-    if not path.exists() and old.exists():
-        os.rename(old, path)
-    elif old.exists():
-        shutil.rmtree(old, ignore_errors=True)
-    for temp in _siblings(path, "tmp-"):
-        pid = temp.name.rsplit(".tmp-", 1)[-1].split("-")[0]
-        if not pid.isdigit() or not _process_alive(int(pid)):
+    backup = _backup_path(path)
+    if backup.is_dir() and read_manifest(backup) is not None:  # a backup is always a folder this tool wrote
+        if not path.exists():
+            os.rename(backup, path)
+        else:
+            shutil.rmtree(backup, ignore_errors=True)
+    if not path.parent.is_dir():
+        return
+    for temp in sorted(path.parent.glob(_temp_prefix(path) + "*")):
+        if temp.is_dir() and (_temp_owner(temp) == str(path.absolute()) or _is_empty_folder(temp)):
             shutil.rmtree(temp, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def write_atomically(path, write_into, kind: str, record: dict | None = None) -> Path:
@@ -321,23 +353,28 @@ def write_atomically(path, write_into, kind: str, record: dict | None = None) ->
         problem = ownership_problem(path, kind)
         if problem:
             raise UserError(f"{path} {problem}; it was left as it is, and nothing was saved there")
-        temp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        temp = path.with_name(f"{_temp_prefix(path)}{os.getpid()}-{threading.get_ident()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(temp, ignore_errors=True)
-            temp.mkdir()
+            temp.mkdir()  # recover_checkpoint removed any earlier one of this name
+            (temp / TEMP_MARKER_NAME).write_text(json.dumps({"written_by": WRITER, "for": str(path.absolute()), "pid": os.getpid()}) + "\n")
             write_into(temp)
             manifest = {"written_by": WRITER, "kind": kind, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(record or {}), "files": _file_table(temp)}
             (temp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
             _fsync_tree(temp)
-            old = path.with_name(path.name + ".old")
-            if path.exists():
-                os.rename(path, old)
+            backup = _backup_path(path)
+            if _is_empty_folder(path):
+                path.rmdir()  # nothing to keep, and a backup is always a folder this tool wrote
+            elif path.exists():
+                os.rename(path, backup)
             os.rename(temp, path)
-            if old.exists():
-                shutil.rmtree(old)
+            (path / TEMP_MARKER_NAME).unlink(missing_ok=True)  # in place now: no longer a temp folder
+            if backup.exists():
+                shutil.rmtree(backup)
         except Exception as error:  # OSError, and torch.save's RuntimeError on a full disk
             shutil.rmtree(temp, ignore_errors=True)
+            if not path.exists() and _backup_path(path).is_dir():
+                os.rename(_backup_path(path), path)  # the second rename failed: the previous folder goes back
             kept = f"the previous {path} is intact" if path.exists() else f"nothing was at {path} before"
             reason = (error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0] if str(error) else type(error).__name__)
             raise UserError(f"could not write {path} ({reason}; {_free_space(path.parent)} free there); {kept}; "
@@ -456,8 +493,8 @@ def save_training_state(state_dir, model, tokenizer, model_state: dict, optimize
 
 
 def has_training_state(state_dir) -> bool:
-    """A complete training state (its manifest written last) is in `state_dir`."""
-    recover_checkpoint(state_dir)
+    """A complete training state (its manifest written last) is in `state_dir` (after
+    `recover_checkpoint`, which the run that holds the lock does first)."""
     manifest = read_manifest(state_dir)
     return manifest is not None and manifest.get("kind") == "training_state"
 

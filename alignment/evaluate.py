@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from alignment.args import check_checkpoint, parse_eval_args
-from alignment.checkpoint import check_distinct_outputs, check_saved_model, claim_log_folder
+from alignment.checkpoint import OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -205,7 +205,27 @@ def main(argv=None) -> dict:
         check_distinct_outputs([(args.model_path, "--model_path"), (output_dir, "--output_dir")])
     check_saved_model(args.model_path, "it cannot be evaluated; restore it or pass another --model_path")
     dataset = Gsm8kDataset(args.split, args.data_dir, limit=args.num_examples)
-    claim_log_folder(output_dir, "--output_dir")
+    with OutputLock([(output_dir, "--output_dir")]):  # two evaluations never write one folder at once
+        claim_log_folder(output_dir, "--output_dir")
+        check_same_model(output_dir, args.model_path, default=args.output_dir is None)
+        return _evaluate(args, dataset, output_dir)
+
+
+def check_same_model(output_dir, model_path, default: bool) -> None:
+    """An --output_dir that holds another model's metrics.json is refused: evaluating there would overwrite
+    them (two checkpoints named alike, a/rl and b/rl, share the default folder). The same model's are replaced."""
+    try:
+        previous = json.loads((Path(output_dir) / "metrics.json").read_text()).get("model_path")
+    except (OSError, ValueError, AttributeError):
+        return
+    if previous is None or str(previous) == str(model_path) or Path(previous).resolve() == Path(model_path).resolve():
+        return
+    where = f"the default --output_dir {output_dir} (runs/eval/<model folder name>)" if default else f"--output_dir {output_dir}"
+    raise UserError(f"{where} holds the evaluation of {previous} (metrics.json); pass another --output_dir to keep both, "
+                    f"or remove it to evaluate {model_path} there (nothing was changed)")
+
+
+def _evaluate(args, dataset, output_dir) -> dict:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     engine = build_engine(args.backend, args.model_path, device, dtype, args.seed, args)

@@ -367,10 +367,20 @@ def main(argv=None) -> dict:
     if args.eval_engine == "fresh":
         outputs.append((args.tmp_checkpoint_path, "--tmp_checkpoint_path", "eval_checkpoint"))
     # one folder, one role (symlinks followed), before anything is read or written
-    check_distinct_outputs([(path, flag) for path, flag, _ in outputs] + [(run_dir, "--log_dir/--run_name")])
-    for path in (args.checkpoint_path, args.state_dir):
-        recover_checkpoint(path)
+    locks = [(path, flag) for path, flag, _ in outputs] + [(run_dir, "--log_dir/--run_name")]
+    check_distinct_outputs(locks)
     writes = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 alone writes
+    # what an interrupted write left is recovered only under the paths' locks, so that no run
+    # still writing there (on this host or another) loses its temp folder
+    with OutputLock([(path, flag) for path, flag in locks if Path(path).absolute().parent.is_dir()] if writes else []):
+        if writes:
+            for path, _, _ in outputs:
+                recover_checkpoint(path)
+        return _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes)
+
+
+def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) -> dict:
+    """main() with the outputs recovered: evaluate an existing RL checkpoint (the seed's rule), or check everything and train."""
     if has_training_state(args.state_dir) and not args.resume:
         # never discard an unfinished run without a word: hours of GPU time may be in it
         then = f"evaluate {args.checkpoint_path}" if has_weights(args.checkpoint_path) else "start over from the SFT checkpoint"
@@ -408,7 +418,6 @@ def main(argv=None) -> dict:
             print(f"resume: {line} takes effect")
         run_id = saved.get("run_id") or run_id  # the state stays this run's: it removes it when it finishes
     run = run_record(args, train_data_sha256, run_id)  # the flags as given, before devices are resolved
-    locks = [(path, flag) for path, flag, _ in outputs] + [(run_dir, "--log_dir/--run_name")]
     with OutputLock(locks if writes else []), StopOnSignal() as stop:
         if writes:
             claim_log_folder(run_dir, "--log_dir/--run_name")

@@ -18,13 +18,15 @@ train/grad_norm, train/tokens_per_s, eval/*.
 
 import random
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from alignment.args import check_checkpoint, parse_sft_args
-from alignment.checkpoint import OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, save_model_atomically
+from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, recover_checkpoint,
+                                  save_model_atomically)
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -142,9 +144,11 @@ def main(argv=None) -> dict:
     run_dir = f"{args.log_dir}/{args.run_name}"
     check_distinct_outputs([(args.checkpoint_path, "--checkpoint_path"), (run_dir, "--log_dir/--run_name")])
     check_saved_model(args.model, "SFT cannot start from it; restore it or pass another --model")
-    check_output_path(args.checkpoint_path, "--checkpoint_path", "sft_checkpoint")  # ours (an SFT checkpoint), empty or new; writable
+    check_writable(Path(args.checkpoint_path).parent, "--checkpoint_path", args.checkpoint_path)
     check_writable(run_dir, "--log_dir")
     with OutputLock([(args.checkpoint_path, "--checkpoint_path"), (run_dir, "--log_dir/--run_name")]), StopOnSignal() as stop:
+        recover_checkpoint(args.checkpoint_path)  # under the lock: no other run is writing there
+        check_output_path(args.checkpoint_path, "--checkpoint_path", "sft_checkpoint")  # ours (an SFT checkpoint), empty or new; writable
         claim_log_folder(run_dir, "--log_dir/--run_name")
         return train(args, stop)
 

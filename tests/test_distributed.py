@@ -158,7 +158,7 @@ def test_state_saved_by_two_ranks_resumes_in_one_process(tmp_path, capsys):
             break
         assert time.time() < deadline
     process.wait()
-    wait_until_unlocked(sorted(tmp_path.rglob("*.lock")))
+    wait_until_unlocked(sorted(tmp_path.rglob("*.alignment-lock")))
     counters = json.loads((tmp_path / "rl.state" / "counters.json").read_text())
     assert counters["step"] == 1 and counters["world_size"] == 2
     capsys.readouterr()

@@ -193,7 +193,7 @@ def test_concurrent_atomic_writes_never_raise_and_leave_one_whole_folder(tmp_pat
     verify_manifest(target, "")
     contents = {(target / f"part{part}.txt").read_text() for part in range(3)}
     assert len(contents) == 1  # all three files from one writer, never mixed
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.lock"]  # no temp or .old left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.alignment-lock", "ckpt"]  # no temp folder or backup left
 
 
 # ---------------------------------------------------------- 5. integrity
@@ -275,7 +275,7 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(p
         checkpoint.save_model_atomically(*_model_and_tokenizer(pipeline), checkpoint_dir, "rl_checkpoint")
     monkeypatch.setattr(checkpoint, "_fsync_tree", real_fsync)
     assert snapshot(checkpoint_dir) == before
-    assert [p.name for p in checkpoint_dir.parent.iterdir() if ".tmp-" in p.name] == []
+    assert [p.name for p in checkpoint_dir.parent.iterdir() if ".alignment-tmp-" in p.name] == []
 
 
 def _model_and_tokenizer(pipeline):
@@ -504,7 +504,7 @@ def test_a_serialiser_failure_during_a_save_is_one_line_and_leaves_no_temp_folde
     with pytest.raises(UserError, match=r"could not write .*torch_full/rl.state \(\[enforce fail .* file write failed; [\d.]+ [KMG]iB free there\); the previous .* is intact"):
         train_rl.main(flags(pipeline, "torch_full", "--save_state_every", "1", "--resume"))
     assert snapshot(state) == before
-    assert [p.name for p in state.parent.iterdir() if ".tmp-" in p.name] == []
+    assert [p.name for p in state.parent.iterdir() if ".alignment-tmp-" in p.name] == []
 
 
 def test_damaged_configs_and_bad_betas_are_one_line(pipeline, tmp_path, capsys):
@@ -544,3 +544,126 @@ def test_sigterm_to_the_process_group_one_step_off_saves_and_prints_the_resume_c
     stopped = re.search(r"stopped by SIGTERM after step (\d+): the training state of step \1 is in (\S+); continue with:\n  (.+--resume)", err)
     assert stopped, err[-2000:]
     assert read_manifest(stopped.group(2))["step"] == int(stopped.group(1))
+
+
+# -------------------------------------------------------- round 4: the tool's own names, recovery under the lock
+
+
+def _users_folders(root: Path, name: str) -> list[Path]:
+    """A user's backups beside a checkpoint, named as people name them."""
+    folders = [root / f"{name}.old", root / f"{name}.tmp-backup"]
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "notes.txt").write_text("my backup")
+    return folders
+
+
+def test_a_users_old_and_tmp_folders_beside_the_checkpoint_are_never_touched(pipeline):
+    """train_rl, with and without a checkpoint there (the evaluate-only path and the training path)."""
+    root = pipeline.root / "users_backups"
+    users = _users_folders(root, "rl")
+    train_rl.main(flags(pipeline, "users_backups", "--max_steps", "1", checkpoint_path=root / "rl"))  # no rl yet: trains
+    train_rl.main(flags(pipeline, "users_backups_eval", "--max_steps", "1", checkpoint_path=root / "rl"))  # rl holds weights: evaluates
+    assert all(snapshot(folder) == {"notes.txt": b"my backup"} for folder in users)
+    lone = pipeline.root / "lone_backup"
+    _users_folders(lone, "rl")
+    with pytest.raises(UserError):  # the SFT start is missing: refused, and the user's rl.old is not made rl on the way
+        train_rl.main([*flags(pipeline, "lone", checkpoint_path=lone / "rl"), "--sft_checkpoint_path", str(lone / "missing")])
+    assert not (lone / "rl").exists() and snapshot(lone / "rl.old") == {"notes.txt": b"my backup"}
+
+
+def test_train_sft_leaves_a_users_moved_checkpoint_alone(pipeline):
+    """`mv sft sft.old` keeps a backup: the next train_sft writes a new sft beside it and never renames it back."""
+    root = pipeline.root / "sft_backup"
+    common = ["--model", str(pipeline.sft), "--data_dir", str(pipeline.data), "--log_dir", str(root / "runs"), "--max_steps", "1",
+              "--batch_size", "2", "--microbatch_size", "2", "--eval_num_examples", "1", "--eval_max_tokens", "4"]
+    train_sft.main([*common, "--checkpoint_path", str(root / "sft")])
+    (root / "sft").rename(root / "sft.old")
+    before = snapshot(root / "sft.old")
+    train_sft.main([*common, "--checkpoint_path", str(root / "sft"), "--learning_rate", "1e-2"])
+    assert snapshot(root / "sft.old") == before
+    assert snapshot(root / "sft")["model.safetensors"] != before["model.safetensors"]
+
+
+HOLD_LOCK_WITH_TEMP = """
+import json, sys, time
+from pathlib import Path
+from alignment.checkpoint import OutputLock
+target = Path(sys.argv[1])
+with OutputLock([(target, "--checkpoint_path")]):
+    temp = target.with_name(f".{target.name}.alignment-tmp-999999-1")  # a writer on another node: its pid is not visible here
+    temp.mkdir(parents=True)
+    (temp / "alignment_temp.json").write_text(json.dumps({"written_by": "alignment", "for": str(target.absolute()), "pid": 999999}))
+    (temp / "model.safetensors").write_bytes(b"half written")
+    print("WRITING", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_live_writers_temp_folder_survives_a_second_command_on_its_paths(pipeline, capsys):
+    """A run mid-save whose pid this host cannot see: a second command is refused by the lock before it recovers anything."""
+    target = pipeline.root / "live_writer" / "rl"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK_WITH_TEMP, str(target)], cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    temp = target.with_name(".rl.alignment-tmp-999999-1")
+    try:
+        assert holder.stdout.readline().strip() == "WRITING"
+        code, stderr = train_rl_cli(capsys, flags(pipeline, "live_writer", checkpoint_path=target))
+        assert code == 2 and "is in use by another run" in stderr, stderr[-2000:]
+        assert (temp / "model.safetensors").read_bytes() == b"half written"
+    finally:
+        holder.kill()
+        holder.wait()
+    with OutputLock([(target, "--checkpoint_path")]):  # once the writer is gone, its leftover goes under the lock
+        checkpoint.recover_checkpoint(target)
+    assert not temp.exists()
+
+
+def test_lock_files_are_the_tools_own(pipeline, capsys):
+    """A user's `rl.lock` (or `<run>.lock`) is never written; a foreign file at the tool's lock name is refused in one line."""
+    root = pipeline.root / "lock_names"
+    root.mkdir()
+    (root / "rl.lock").write_text("my lock notes")
+    (pipeline.root / "runs" / "lock_names.lock").parent.mkdir(parents=True, exist_ok=True)
+    (pipeline.root / "runs" / "lock_names.lock").write_text("mine too")
+    train_rl.main(flags(pipeline, "lock_names", "--max_steps", "1", checkpoint_path=root / "rl"))
+    assert (root / "rl.lock").read_text() == "my lock notes" and (pipeline.root / "runs" / "lock_names.lock").read_text() == "mine too"
+    assert (root / ".rl.alignment-lock").read_text().startswith("alignment lock, pid ")
+    (pipeline.root / "foreign_lock").mkdir()
+    (pipeline.root / "foreign_lock" / ".rl.alignment-lock").write_text("a file of mine")
+    code, stderr = train_rl_cli(capsys, flags(pipeline, "foreign_lock", checkpoint_path=pipeline.root / "foreign_lock" / "rl"))
+    assert code == 2 and "alignment-lock is not a lock file this tool wrote; move it away" in stderr and "Traceback" not in stderr
+    assert (pipeline.root / "foreign_lock" / ".rl.alignment-lock").read_text() == "a file of mine"
+
+
+HOLD_EVAL_LOCK = """
+import sys, time
+from alignment.checkpoint import OutputLock
+with OutputLock([(sys.argv[1], "--output_dir")]):
+    print("LOCKED", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_evaluate_keeps_another_models_metrics_and_one_writer_per_folder(pipeline, monkeypatch):
+    """Two checkpoints named alike share the default --output_dir (runs/eval/<name>): the second is refused, not written over
+    the first; the same model again replaces its own; a folder another evaluation is writing is refused by its lock."""
+    monkeypatch.chdir(pipeline.root)
+    first, second = pipeline.root / "a" / "rl", pipeline.root / "b" / "rl"
+    for path in (first, second):
+        _sft_checkpoint_of_ours(pipeline, path)
+    common = ["--backend", "hf", "--data_dir", str(pipeline.data), "--num_examples", "2", "--max_tokens", "4"]
+    evaluate.main(["--model_path", str(first), *common])
+    written = snapshot(pipeline.root / "runs" / "eval" / "rl")
+    with pytest.raises(UserError, match=r"the default --output_dir runs/eval/rl .* holds the evaluation of .*a/rl \(metrics.json\); pass another --output_dir"):
+        evaluate.main(["--model_path", str(second), *common])
+    assert snapshot(pipeline.root / "runs" / "eval" / "rl") == written
+    evaluate.main(["--model_path", str(first), *common])  # the same model: its own evaluation is replaced
+    evaluate.main(["--model_path", str(second), *common, "--output_dir", "runs/eval/b_rl"])
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_EVAL_LOCK, "runs/eval/busy"], cwd=pipeline.root, env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "LOCKED"
+        with pytest.raises(UserError, match=r"--output_dir runs/eval/busy is in use by another run"):
+            evaluate.main(["--model_path", str(first), *common, "--output_dir", "runs/eval/busy"])
+    finally:
+        holder.kill()
+        holder.wait()

@@ -51,20 +51,39 @@ def test_kill_mid_save_keeps_the_previous_checkpoint(tiny_checkpoint, tmp_path):
     assert process.stdout.readline().strip() == "WRITING"
     process.send_signal(signal.SIGKILL)
     process.wait()
-    leftovers = list(tmp_path.glob("ckpt.tmp-*"))
+    leftovers = list(tmp_path.glob(".ckpt.alignment-tmp-*"))
     assert len(leftovers) == 1  # the half-written copy sits beside, never in place
     after = weights(target)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    recover_checkpoint(target)  # the writer is dead: its temp folder goes
-    assert not list(tmp_path.glob("ckpt.tmp-*"))
+    recover_checkpoint(target)  # under the lock a temp folder made for this path is a dead writer's: it goes
+    assert not list(tmp_path.glob(".ckpt.alignment-tmp-*"))
 
 
-def test_crash_between_the_two_renames_is_recovered(tmp_path):
-    old = tmp_path / "ckpt.old"
-    old.mkdir()
-    (old / "config.json").write_text("{}")
+def test_crash_between_the_two_renames_is_recovered(tiny_checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    save_model_atomically(AutoModelForCausalLM.from_pretrained(tiny_checkpoint), AutoTokenizer.from_pretrained(tiny_checkpoint), tmp_path / "ckpt", "rl_checkpoint")
+    backup = tmp_path / ".ckpt.alignment-old"
+    os.rename(tmp_path / "ckpt", backup)  # the first rename of a swap done, the second not
     recover_checkpoint(tmp_path / "ckpt")
-    assert (tmp_path / "ckpt" / "config.json").is_file() and not old.exists()
+    assert (tmp_path / "ckpt" / "model.safetensors").is_file() and not backup.exists()
+
+
+def test_folders_beside_a_checkpoint_that_the_tool_did_not_make_for_it_are_never_touched(tmp_path):
+    """A user's ckpt.old / ckpt.tmp-backup, a folder at the tool's backup name without its manifest, and a temp
+    folder the tool made for another path all stay, whether the checkpoint is there or not."""
+    for present in (False, True):
+        root = tmp_path / str(present)
+        mine = [root / "ckpt.old", root / "ckpt.tmp-backup", root / ".ckpt.alignment-old", root / ".ckpt.alignment-tmp-1-2"]
+        for folder in mine:
+            folder.mkdir(parents=True)
+            (folder / "notes.txt").write_text("mine")
+        (mine[-1] / "alignment_temp.json").write_text(json.dumps({"written_by": "alignment", "for": str(root / "other")}))
+        if present:
+            (root / "ckpt").mkdir()
+        recover_checkpoint(root / "ckpt")
+        assert all((folder / "notes.txt").read_text() == "mine" for folder in mine)
+        assert (root / "ckpt").exists() == present
 
 
 @pytest.fixture(scope="module")
