@@ -115,6 +115,21 @@ def check_output_path(path, flag: str, kind: str) -> None:
     check_writable(path.parent, flag, path)
 
 
+def real_output_path(path, flag: str, say=print) -> str:
+    """`path` itself when it is not a symbolic link, else the folder it points to (dangling or not).
+
+    A save swaps folders by renaming them: through a link it would move the link and write a
+    folder beside it, and then fail. A link loop is one line."""
+    if not Path(path).is_symlink():
+        return str(path)
+    try:
+        resolved = Path(path).resolve()
+    except (RuntimeError, OSError) as error:  # a loop: RuntimeError up to Python 3.12, OSError (ELOOP) after
+        raise UserError(f"{flag} {path} is a symbolic link that cannot be followed ({error}); pass a real folder path") from None
+    say(f"{flag} {path} is a symbolic link: writing to {resolved}")
+    return str(resolved)
+
+
 def check_distinct_outputs(paths_and_flags) -> None:
     """One folder, one role: no two outputs resolve (symlinks followed) to the same folder or
     one inside the other, and none is the root folder. One line naming both flags otherwise."""

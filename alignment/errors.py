@@ -3,8 +3,8 @@
 Every entry point (`python -m alignment.train_rl`, `train_sft`, `evaluate`, `data`,
 `demo`) runs through `run_cli`, so bad flags, missing files and malformed rows end
 as one line on stderr and exit code 2, never as a traceback from inside a library;
-a run stopped by SIGINT or SIGTERM ends with the line that says how to resume it and
-the shell's exit code for that signal (130, 143).
+a run stopped by SIGINT, SIGTERM or SIGHUP ends with the line that says how to resume it and
+the shell's exit code for that signal (130, 143, 129).
 """
 
 import gc

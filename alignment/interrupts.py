@@ -1,7 +1,8 @@
-"""Ctrl-C and SIGTERM during training: finish the step, save, say how to resume, exit 130 / 143.
+"""Ctrl-C, SIGTERM and SIGHUP during training: finish the step, save, say how to resume, exit 130 / 143 / 129.
 
-Cluster schedulers send SIGTERM before they kill a job; a person sends SIGINT. Either
-one only sets a flag: the training loop finishes the step it is in (a step stopped
+Cluster schedulers send SIGTERM before they kill a job; a person sends SIGINT; a dropped
+ssh session sends SIGHUP (its terminal is gone then, so from that signal on a failed write
+to stdout or stderr is dropped instead of ending the run). Each one only sets a flag: the training loop finishes the step it is in (a step stopped
 half-way would leave the weights and the counters disagreeing), saves a training
 state when --save_state_every is on, and ends with the exact command that resumes.
 A second Ctrl-C stops at once (KeyboardInterrupt; the last saved state is intact).
@@ -13,10 +14,32 @@ import sys
 import threading
 
 
-class StopOnSignal:
-    """Installs SIGINT/SIGTERM handlers for the life of a `with` block (main thread only)."""
+class _DeadTerminalStream:
+    """A text stream whose writes never raise: after SIGHUP the terminal may be gone (EIO, EPIPE)."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class StopOnSignal:
+    """Installs SIGINT/SIGTERM/SIGHUP handlers for the life of a `with` block (main thread only)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
     def __init__(self, say=print):
         self.received = None
@@ -37,6 +60,8 @@ class StopOnSignal:
     def _handle(self, signum, frame):
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if signum == getattr(signal, "SIGHUP", None) and not isinstance(sys.stdout, _DeadTerminalStream):
+            sys.stdout, sys.stderr = _DeadTerminalStream(sys.stdout), _DeadTerminalStream(sys.stderr)
         self.received = signum
         self.say(f"\n{signal.Signals(signum).name} received: finishing this step, then stopping (Ctrl-C again to stop at once)", flush=True)
 

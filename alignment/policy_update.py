@@ -15,6 +15,7 @@ import torch
 
 from alignment import distributed, packing
 from alignment.devices import place_model
+from alignment.errors import UserError
 from alignment.flops import update_flops
 from alignment.fused_logprobs import use_compiled_chunk_math
 from alignment.grpo import RATIO_LOSSES, grpo_microbatch_train_step, mismatch_weights
@@ -219,6 +220,7 @@ def update_policy(model, optimizer, scheduler, batch, settings: UpdateSettings, 
             # every rank must agree, or the shards would step apart
             if ranks.all_true(bool(finite & torch.isfinite(grad_norm))):  # the one host read per optimizer step
                 optimizer.step()
+                check_weights_finite(model, optimizer, ranks, step)
                 scheduler.step()
                 totals["grad_norm"] += grad_norm.item()
                 totals["optimizer_steps"] += 1
@@ -232,6 +234,22 @@ def update_policy(model, optimizer, scheduler, batch, settings: UpdateSettings, 
     if mismatch is not None:
         totals.update(zip(("sampler_abs_diff", "sampler_ratio", "sampler_ratio_max", "sampler_tokens", "tis_capped"), (value.item() for value in mismatch)))
     return totals
+
+
+def check_weights_finite(model, optimizer, ranks, step: int) -> None:
+    """After an optimizer step: every weight is finite, or the run stops here, before anything saves them.
+
+    A finite gradient can still make a weight non-finite (an absurd --learning_rate or --weight_decay):
+    saved into a training state, such weights would poison every --resume. One fused norm per
+    parameter list and one host read (~2 ms for 1.5B on an H200)."""
+    parameters = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # FSDP2: this rank's shards
+    norms = torch._foreach_norm([p.detach() for p in parameters if p.numel()])
+    finite = bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()) if norms else True
+    if not ranks.all_true(finite):
+        group = optimizer.param_groups[0]
+        raise UserError(f"the optimizer step of rollout step {step} made the policy's weights non-finite (--learning_rate {group['lr']:g}, "
+                        f"--weight_decay {group.get('weight_decay', 0):g}); stopped before saving them, so the last saved training state "
+                        "and checkpoint are as they were; lower --learning_rate / --weight_decay and start again or --resume")
 
 
 def _train_microbatch(model, batch, rows, step_size, settings: UpdateSettings, main_device, compute_dtype, behaviour, first_step, sums, totals):

@@ -64,10 +64,10 @@ from torch.utils.tensorboard import SummaryWriter
 from alignment import distributed
 from alignment.args import (build_sft_parser, check_checkpoint, check_resume_flags, has_weights, model_context_length, parse_rl_args, read_model_config,
                             resolve_speed_flags, run_record)
-from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, file_sha256,
-                                  has_training_state, load_training_state, read_manifest, recover_checkpoint, remove_output, save_model_atomically,
+from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder,
+                                  has_training_state, load_training_state, read_manifest, real_output_path, recover_checkpoint, remove_output, save_model_atomically,
                                   save_training_state, state_step)
-from alignment.data import Gsm8kDataset, split_path
+from alignment.data import Gsm8kDataset, data_fingerprint
 from alignment.devices import format_role_table, one_device_roles, resolve_dtype, resolve_role_devices
 from alignment.distributed import check_fsdp_sizes, rank_slice, reduce_reward_meta, reduce_totals, save_policy
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
@@ -251,10 +251,9 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     total_peak = policy_peak_flops(roles, ranks.world_size, args.peak_tflops)
     rollout_sampling = SamplingSettings.from_args(args, "sampling_")
     weights = lambda: ranks.full_weights(model)  # noqa: E731 - the policy's weights, gathered under FSDP
-    eval_metrics, skipped_in_a_row = {}, 0
+    skipped_in_a_row = 0
     if args.evaluate_at_start and not state:  # step 0: the start checkpoint, evaluated as every later step is
-        eval_metrics, _ = evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, 0)
-        log.evaluation(0, eval_metrics, args.num_logged_rollouts)
+        log.evaluation(0, evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, 0)[0], args.num_logged_rollouts)
 
     for step in range(progress["step"] + 1, total_steps + 1):
         progress["step"], step_started, timings = step, time.perf_counter(), dict.fromkeys(STEP_TIMINGS, 0.0)
@@ -309,8 +308,8 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
             raise UserError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient (step {step}); stopped with the last good "
                             f"weights untouched ({args.checkpoint_path} / {args.state_dir}); lower --learning_rate or check the data")
 
-        # 6. periodic evaluation, then the step's log line
-        if args.evaluate_freq and step % args.evaluate_freq == 0:
+        # 6. periodic evaluation (the last step's runs once its weights are saved, below), then the step's log line
+        if args.evaluate_freq and step % args.evaluate_freq == 0 and step < total_steps:
             with timed(timings, "eval"):
                 eval_metrics, synced = evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, step)
             if synced:
@@ -332,12 +331,13 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
             log.close()
             raise RunStopped(f"stopped by {stop.name} after step {step}: {resume_hint(args.state_dir)}", stop.exit_code)
 
-    if not (eval_metrics and args.evaluate_freq and total_steps % args.evaluate_freq == 0):  # the last step did not evaluate
-        eval_metrics, _ = evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, total_steps)
-        log.evaluation(total_steps, eval_metrics, args.num_logged_rollouts)
-    if total_steps % steps_per_epoch:  # stopped mid-epoch (--max_steps): save what we have
+    # the final weights are saved before the final evaluation: a run that has trained keeps them whatever
+    # happens during the evaluation (minutes on GSM8K; a scheduler's SIGKILL after its grace period)
+    if total_steps % steps_per_epoch:  # stopped mid-epoch (--max_steps); at an epoch's end step 7 saved them
         save_policy(ranks, model, tokenizer, args.checkpoint_path)
         say(f"saved RL checkpoint to {args.checkpoint_path}")
+    eval_metrics, _ = evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, total_steps)
+    log.evaluation(total_steps, eval_metrics, args.num_logged_rollouts)
     if ranks.is_main:
         write_jsonl(run_dir / "final_eval_samples.jsonl", eval_metrics.get("samples", []))
         write_json(run_dir / "final_eval_metrics.json", {**drop_samples(eval_metrics), "step": total_steps, "skipped_steps": progress["skipped_steps"]})
@@ -360,6 +360,8 @@ def drop_samples(metrics: dict) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_rl_args(argv)
+    for flag in ("checkpoint_path", "state_dir", "tmp_checkpoint_path"):  # the folders a save swaps in by renaming
+        setattr(args, flag, real_output_path(getattr(args, flag), f"--{flag}"))
     sft_args = build_sft_parser().parse_args([])  # the seed parses both; RL starts where SFT saved
     base_model_checkpoint_path = args.sft_checkpoint_path or sft_args.checkpoint_path
     run_dir = Path(args.log_dir) / args.run_name
@@ -408,7 +410,7 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
     for path, flag, kind in outputs:
         check_output_path(path, flag, kind)
     check_writable(run_dir, "--log_dir")
-    train_data_sha256 = file_sha256(split_path(args.data_dir, "train"))
+    train_data_sha256 = data_fingerprint(args.data_dir)
     run_id = uuid.uuid4().hex
     if args.resume and not has_training_state(args.state_dir):
         print(f"--resume: no training state in {args.state_dir}; starting from the SFT checkpoint")

@@ -25,8 +25,8 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from alignment.args import check_checkpoint, parse_sft_args
-from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, recover_checkpoint,
-                                  save_model_atomically)
+from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, real_output_path,
+                                  recover_checkpoint, save_model_atomically)
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -140,6 +140,7 @@ def train(args, stop: StopOnSignal | None = None) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_sft_args(argv)
+    args.checkpoint_path = real_output_path(args.checkpoint_path, "--checkpoint_path")  # a save swaps the folder in by renaming
     check_checkpoint(args.model, "--model", "pass a local checkpoint folder or a hub id such as Qwen/Qwen2.5-Math-1.5B")
     run_dir = f"{args.log_dir}/{args.run_name}"
     check_distinct_outputs([(args.checkpoint_path, "--checkpoint_path"), (run_dir, "--log_dir/--run_name")])

@@ -667,3 +667,43 @@ def test_evaluate_keeps_another_models_metrics_and_one_writer_per_folder(pipelin
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.slow
+def test_sighup_from_a_dropped_session_saves_the_state_though_the_terminal_is_gone(pipeline, tmp_path):
+    """An ssh drop: SIGHUP, and every later write to the terminal fails (here: stdout's reader closed, EPIPE).
+    The run finishes the step, saves its training state and exits 129, as for SIGTERM."""
+    name = "hangup"
+    command = [sys.executable, "-m", "alignment.train_rl", *flags(pipeline, name, "--save_state_every", "5", "--max_steps", "6")]
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        for line in process.stdout:
+            if line.startswith("step 1/6"):
+                process.send_signal(signal.SIGHUP)
+                break
+        process.stdout.close()  # the terminal is gone: the run's next writes to stdout fail
+        assert process.wait(timeout=300) == 129
+    err = (tmp_path / "stderr.txt").read_text()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err[-3000:]
+    stopped = re.search(r"stopped by SIGHUP after step (\d+): the training state of step \1 is in (\S+); continue with", err)
+    assert stopped, err[-2000:]
+    assert read_manifest(stopped.group(2))["step"] == int(stopped.group(1))
+
+
+def test_a_symlinked_checkpoint_path_is_written_where_it_points_and_a_loop_is_one_line(pipeline, capsys):
+    """A link to a folder elsewhere (dangling until the first save), as --checkpoint_path and as --state_dir: the run
+    writes the folder it points to and the link stays a link. A link loop fails at start-up in one line."""
+    elsewhere, link = pipeline.root / "big_disk" / "rl", pipeline.root / "linked_rl"
+    elsewhere.parent.mkdir()
+    link.symlink_to(elsewhere)  # dangling: elsewhere/rl does not exist yet
+    train_rl.main(flags(pipeline, "linked", "--max_steps", "1", checkpoint_path=link))
+    assert link.is_symlink() and (elsewhere / "model.safetensors").is_file()
+    assert "linked_rl is a symbolic link: writing to" in capsys.readouterr().out
+    (pipeline.root / "linked_state").symlink_to(pipeline.root / "big_disk" / "state")
+    train_rl.main(flags(pipeline, "linked_2", "--max_steps", "1", "--save_state_every", "1", "--state_dir", str(pipeline.root / "linked_state"),
+                        checkpoint_path=pipeline.root / "linked_rl_2"))
+    assert (pipeline.root / "linked_state").is_symlink() and not (pipeline.root / "big_disk" / "state").exists()  # finished: its state removed
+    loop = pipeline.root / "loop"
+    loop.symlink_to(loop)
+    code, stderr = train_rl_cli(capsys, flags(pipeline, "loop", checkpoint_path=loop))
+    assert code == 2 and "--checkpoint_path" in stderr and "is a symbolic link that cannot be followed" in stderr and "Traceback" not in stderr

@@ -10,6 +10,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from alignment import train_rl
+from alignment.errors import UserError
 from alignment.flops import update_flops
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.policy_update import score_with, sequence_lengths, update_policy
@@ -98,6 +99,59 @@ def test_evaluate_at_start_evaluates_the_start_weights_as_step_0(pipeline, monke
     evals = [json.loads(line) for line in (pipeline.root / "runs" / name / "evals.jsonl").read_text().splitlines()]
     assert [row["step"] for row in evals] == [0, 1, 2] and evals[0]["num_examples"] == 8
     assert [event.step for event in scalar_tags(pipeline.root / "runs" / name)["eval/avg_all_rewards"]] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("max_steps", ["2", "4"])  # mid-epoch (--max_steps) and at the epoch's end (8 prompts a step, 32 prompts)
+def test_the_final_weights_are_saved_before_the_final_evaluation(pipeline, monkeypatch, max_steps):
+    """A run that has trained keeps its weights whatever happens during the last evaluation (a SIGKILL after
+    a scheduler's grace period): when it starts, the checkpoint already holds the policy's final weights."""
+    seen = []
+
+    def recording(args, sampler, model, tokenizer, eval_set, roles, ranks, step):
+        saved = Path(args.checkpoint_path) / "model.safetensors"
+        if saved.is_file():
+            from safetensors.torch import load_file
+
+            on_disk = load_file(str(saved))
+            seen.append((step, all(torch.equal(on_disk[name], tensor) for name, tensor in model.state_dict().items() if name in on_disk)))
+        else:
+            seen.append((step, False))
+        return real(args, sampler, model, tokenizer, eval_set, roles, ranks, step)
+
+    real = train_rl.evaluate_policy
+    monkeypatch.setattr(train_rl, "evaluate_policy", recording)
+    name = f"save_before_eval_{max_steps}"
+    train_rl.main(rl_flags(pipeline, name, "--rollout_backend", "hf", "--max_steps", max_steps, "--evaluate_freq", "1", "--rollout_batch_size", "8",
+                           "--entropy_coef", "0.1"))  # the entropy bonus moves the weights every step
+    assert seen[-1] == (int(max_steps), True)
+    assert [step for step, _ in seen] == list(range(1, int(max_steps) + 1))
+
+
+def test_an_update_that_makes_the_weights_non_finite_stops_before_anything_saves_them(pipeline, monkeypatch):
+    """--learning_rate 1e308 passes the loss and gradient checks; the weights it writes are inf. The run stops at that
+    step with one line, and the training state saved the step before stays the last good one."""
+    from safetensors.torch import load_file
+
+    name = "absurd_lr"
+    flags = rl_flags(pipeline, name, "--rollout_backend", "hf", "--save_state_every", "1", "--entropy_coef", "0.1", "--evaluate_freq", "0", "--max_steps", "3")
+    with pytest.raises(UserError, match=r"the optimizer step of rollout step 1 made the policy's weights non-finite \(--learning_rate 1e\+308"):
+        train_rl.main([*flags, "--learning_rate", "1e308"])
+    state = pipeline.root / name / "rl.state"
+    assert not (state / "policy").exists()  # nothing was saved
+    real_update, calls = train_rl.update_policy, []
+
+    def absurd_from_step_2(model, optimizer, *rest, **kwargs):  # a good step 1 (saved), then the absurd rate
+        calls.append(1)
+        if len(calls) == 2:
+            for group in optimizer.param_groups:
+                group["lr"] = 1e308
+        return real_update(model, optimizer, *rest, **kwargs)
+
+    monkeypatch.setattr(train_rl, "update_policy", absurd_from_step_2)
+    with pytest.raises(UserError, match=r"rollout step 2 made the policy's weights non-finite"):
+        train_rl.main(flags)
+    assert json.loads((state / "counters.json").read_text())["step"] == 1
+    assert all(torch.isfinite(tensor).all() for tensor in load_file(str(state / "policy" / "model.safetensors")).values())
 
 
 @pytest.mark.slow
