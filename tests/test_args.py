@@ -64,6 +64,12 @@ def _fails_with(main, argv, capsys, pattern):
         (["--eval_pass_k", "4"], "--eval_pass_k 4 needs --eval_samples N >= 4"),
         (["--eval_samples", "2", "--eval_pass_k", "3"], "--eval_pass_k 3 exceeds --eval_samples 2"),
         (["--eval_samples", "2", "--sampling_temperature", "0"], "--eval_samples 2 at temperature 0"),
+        # values that used to train the whole run and then overflow the logits, or a traceback (round 4)
+        (["--sampling_temperature", "1e-300"], "--sampling_temperature: must be 0 (greedy) or between 0.01 and 100, got 1e-300"),
+        (["--eval_temperature", "1e-300"], "--eval_temperature: must be 0 (greedy) or between 0.01 and 100, got 1e-300"),
+        (["--scoring_temperature", "1e-300"], "--scoring_temperature: must be between 0.01 and 100, got 1e-300"),
+        (["--repetition_penalty", "1e-300"], "--repetition_penalty: must be between 0.01 and 100 (1 = none), got 1e-300"),
+        (["--seed", str(2**64)], "--seed: must be an integer in [0, 2^32), got 18446744073709551616"),
     ],
 )
 def test_rl_flag_validation(flags, pattern, capsys, toy_data):
@@ -87,6 +93,9 @@ def test_sft_and_eval_validation(capsys, toy_data, tmp_path):
     _fails_with(evaluate.main, ["--data_dir", str(toy_data), "--model_path", str(tmp_path / "none")], capsys, "--model_path")
     _fails_with(evaluate.main, ["--data_dir", str(toy_data), "--model_path", "x", "--min_tokens", "9", "--max_tokens", "3"], capsys, "--min_tokens 9 exceeds --max_tokens 3")
     _fails_with(evaluate.main, ["--data_dir", str(toy_data), "--model_path", "x", "--samples", "2", "--pass_k", "3"], capsys, "--pass_k 3 exceeds --samples 2")
+    _fails_with(evaluate.main, ["--data_dir", str(toy_data), "--model_path", "x", "--temperature", "1e-300"], capsys, "--temperature: must be 0 (greedy) or between")
+    _fails_with(evaluate.main, ["--data_dir", str(toy_data), "--model_path", "x", "--seed", "-1"], capsys, "--seed: must be an integer in [0, 2^32)")
+    _fails_with(train_sft.main, ["--data_dir", str(toy_data), "--seed", str(2**64)], capsys, "--seed: must be an integer in [0, 2^32)")
 
 
 def test_no_baseline_forces_group_size_one(toy_data):

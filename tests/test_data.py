@@ -100,6 +100,10 @@ GOOD = json.dumps({"question": "q?", "answer": "a\n#### 3"}).encode() + b"\n"
         (GOOD + GOOD + json.dumps({"question": "q?"}).encode(), r"train.jsonl:3: missing string field 'answer'"),
         (json.dumps({"question": "q?", "answer": "no marker"}).encode(), r"train.jsonl:1: answer has no '####'"),
         (b"[1, 2]\n", r"train.jsonl:1: expected a JSON object"),
+        # a JSON escape of a lone surrogate parses, then broke TensorBoard's text after the whole run
+        (GOOD + b'{"question": "q?", "answer": "\\udc80 #### 1"}\n', r"train.jsonl:2: 'answer' holds '\\udc80', a lone surrogate escape that is not text"),
+        # a 2 MiB row: refused as it is read, before any tokeniser sees it (a 50 MB row took ~100 s and ~10 GB)
+        (GOOD + json.dumps({"question": "q" * (2 << 20), "answer": "#### 1"}).encode() + b"\n", r"train.jsonl:2: the row is 2.0 MiB \(at most 1 MiB"),
     ],
 )
 def test_malformed_files_name_file_and_line(tmp_path, content, message):
@@ -119,3 +123,24 @@ def test_check_command_counts_rows(tmp_path, capsys):
     data_main(["check", "--data_dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "train.jsonl: 3 rows parse" in out and "test.jsonl: 1 rows parse" in out
+
+
+def test_a_data_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
+    """EIO (or a permission error for a user who is not root) while reading the rows or the fingerprint of a resumable run."""
+    import errno
+    import hashlib
+
+    from alignment import data
+
+    _write(tmp_path, "train", GOOD)
+
+    def failing(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(data, "open", failing, raising=False)
+    with pytest.raises(UserError, match=r"train.jsonl cannot be read \(Input/output error\); check the disk"):
+        load_gsm8k("train", tmp_path)
+    monkeypatch.undo()
+    monkeypatch.setattr(hashlib, "file_digest", failing)
+    with pytest.raises(UserError, match=r"train.jsonl cannot be read \(Input/output error\)"):
+        data.data_fingerprint(tmp_path)
