@@ -433,21 +433,27 @@ def _plain(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def run_record(args, train_data_sha256: str, run_id: str) -> dict:
+def run_record(args, train_data_sha256: str, run_id: str, start_checkpoint_sha256: str | None = None) -> dict:
     """What a training state records about its run: every flag as parsed (before devices are
-    resolved), which of them were derived, the training data's SHA-256, and the run's id
-    (a state is removed at the end only by the run that wrote it)."""
+    resolved), which of them were derived, the fingerprints of its inputs (the training data's
+    SHA-256; the start checkpoint's, which the reference model and a frozen sampler load again
+    on --resume), and the run's id (a state is removed at the end only by the run that wrote it)."""
     flags = {key: _plain(value) for key, value in sorted(vars(args).items()) if key not in _NOT_RECORDED}
-    return {"flags": flags, "derived_flags": list(getattr(args, "derived_flags", [])), "train_data_sha256": train_data_sha256, "run_id": run_id}
+    return {"flags": flags, "derived_flags": list(getattr(args, "derived_flags", [])), "train_data_sha256": train_data_sha256,
+            "start_checkpoint_sha256": start_checkpoint_sha256, "run_id": run_id}
 
 
-def check_resume_flags(saved: dict, args, train_data_sha256: str) -> list[str]:
-    """Compare a saved run record with this command's flags.
+def check_resume_flags(saved: dict, args, train_data_sha256: str, start_checkpoint_sha256: str | None = None) -> list[str]:
+    """Compare a saved run record with this command's flags and inputs.
 
-    Raises UserError for a changed run-defining flag or changed training data; returns
-    one line per other flag that changed (those take effect).
+    Raises UserError for a record that is not there (an older version's state), a changed
+    run-defining flag, changed training data or a changed start checkpoint; returns one line
+    per other flag that changed (those take effect).
     """
-    flags = saved.get("flags", {})
+    if not isinstance(saved.get("flags"), dict):
+        raise UserError(f"--resume: the training state in {args.state_dir} records no flags (an older version wrote it), so a changed flag "
+                        f"would go unnoticed; start a new run with another --checkpoint_path, or remove {args.state_dir} to start over")
+    flags = saved["flags"]
     derived = set(saved.get("derived_flags", [])) | set(getattr(args, "derived_flags", []))
     # the flags a user sets first: a changed --sampling_max_tokens is named, not the
     # --length_normalization_constant derived from it
@@ -460,6 +466,10 @@ def check_resume_flags(saved: dict, args, train_data_sha256: str) -> list[str]:
     if saved.get("train_data_sha256") not in (None, train_data_sha256):
         raise UserError(f"--resume: {args.data_dir}/train.jsonl changed since the run started, so its data order would shift; "
                         "restore the file, or start a new run with another --checkpoint_path")
+    if saved.get("start_checkpoint_sha256") not in (None, start_checkpoint_sha256) and start_checkpoint_sha256 is not None:
+        raise UserError(f"--resume: the start checkpoint (--sft_checkpoint_path {args.sft_checkpoint_path or 'default'}) holds other files than "
+                        "when the run started, so the KL reference (and a frozen sampler) would be another model; restore it, "
+                        "or start a new run with another --checkpoint_path")
     return [
         f"--{key} {_plain(getattr(args, key))} (the run had {flags[key]})"
         for key in sorted(flags)

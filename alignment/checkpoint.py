@@ -194,6 +194,16 @@ def _file_table(folder: Path) -> dict:
     }
 
 
+def folder_fingerprint(path) -> str:
+    """SHA-256 naming a model folder's contents: of its manifest's file table when this tool wrote it (check_saved_model
+    has checked the files against it), else of its files themselves (a folder from elsewhere; every file is read)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest is not None:
+        return hashlib.sha256(json.dumps(manifest.get("files", {}), sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(_file_table(path), sort_keys=True).encode()).hexdigest()
+
+
 def verify_manifest(path, what: str) -> dict:
     """Check every file the manifest lists (present, same size, same SHA-256); return the manifest.
 

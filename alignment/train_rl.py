@@ -64,7 +64,7 @@ from torch.utils.tensorboard import SummaryWriter
 from alignment import distributed
 from alignment.args import (build_sft_parser, check_checkpoint, check_resume_flags, has_weights, model_context_length, parse_rl_args, read_model_config,
                             resolve_speed_flags, run_record)
-from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder,
+from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, folder_fingerprint,
                                   has_training_state, load_training_state, read_manifest, real_output_path, recover_checkpoint, remove_output, save_model_atomically,
                                   save_training_state, state_step)
 from alignment.data import Gsm8kDataset, data_fingerprint
@@ -242,6 +242,10 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
 
     # the loop's counters, saved and restored as they are; versions count the steps that changed the weights
     progress = {"step": 0, "skipped_steps": 0, "zero_signal_batches": 0, "policy_version": 0, "world_size": ranks.world_size}
+    missing = [key for key in progress if state and key != "world_size" and key not in state]
+    if missing:
+        raise UserError(f"the training state in {args.state_dir} has no {', '.join(missing)} in its counters.json (an older version wrote it); "
+                        f"start a new run with another --checkpoint_path, or remove {args.state_dir} to start over")
     progress.update({key: state[key] for key in progress if state and key != "world_size"})
     model, sampler, reference_model, speed = build_models(args, base_model_checkpoint_path, state, progress["policy_version"], roles, dtype, policy_dtype,
                                                           tokenizer, ranks, say)
@@ -411,15 +415,20 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
         check_output_path(path, flag, kind)
     check_writable(run_dir, "--log_dir")
     train_data_sha256 = data_fingerprint(args.data_dir)
+    # what a resumed run loads again from the start checkpoint must be what the run started from (a run that saves no state cannot resume)
+    start_sha256 = folder_fingerprint(base_model_checkpoint_path) if args.save_state_every or args.resume else None
     run_id = uuid.uuid4().hex
     if args.resume and not has_training_state(args.state_dir):
         print(f"--resume: no training state in {args.state_dir}; starting from the SFT checkpoint")
     if args.resume and has_training_state(args.state_dir):
         saved = read_manifest(args.state_dir).get("run", {})
-        for line in check_resume_flags(saved, args, train_data_sha256):
+        for line in check_resume_flags(saved, args, train_data_sha256, start_sha256):
             print(f"resume: {line} takes effect")
+        if args.max_steps and args.max_steps < state_step(args.state_dir):
+            raise UserError(f"--resume --max_steps {args.max_steps}: the training state in {args.state_dir} is at step {state_step(args.state_dir)} already; "
+                            f"pass --max_steps {state_step(args.state_dir)} or more (or leave it out) to continue the run")
         run_id = saved.get("run_id") or run_id  # the state stays this run's: it removes it when it finishes
-    run = run_record(args, train_data_sha256, run_id)  # the flags as given, before devices are resolved
+    run = run_record(args, train_data_sha256, run_id, start_sha256)  # the flags as given, before devices are resolved
     with OutputLock(locks if writes else []), StopOnSignal() as stop:
         if writes:
             claim_log_folder(run_dir, "--log_dir/--run_name")

@@ -707,3 +707,53 @@ def test_a_symlinked_checkpoint_path_is_written_where_it_points_and_a_loop_is_on
     loop.symlink_to(loop)
     code, stderr = train_rl_cli(capsys, flags(pipeline, "loop", checkpoint_path=loop))
     assert code == 2 and "--checkpoint_path" in stderr and "is a symbolic link that cannot be followed" in stderr and "Traceback" not in stderr
+
+
+def _rewrite_in_state(state: Path, name: str, change) -> None:
+    """What an older version (or another tool) left: `change(text)` applied to a state file, its manifest entry kept in step."""
+    file = state / name
+    file.write_text(change(file.read_text()))
+    manifest = json.loads((state / MANIFEST_NAME).read_text())
+    manifest["files"][name] = {"bytes": file.stat().st_size, "sha256": checkpoint.file_sha256(file)}
+    (state / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+def test_resume_refuses_what_would_silently_change_the_run(pipeline, monkeypatch):
+    """Round 4: a start checkpoint with other weights (the KL reference would be another model), --max_steps below the
+    state's step (the final metrics would name a step the weights passed), a state without its run record or with
+    counters an older version wrote (a KeyError traceback)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    start = pipeline.root / "own_sft"
+    shutil.copytree(pipeline.sft, start)
+    state = interrupted_run(pipeline, "inputs", monkeypatch, "--sft_checkpoint_path", str(start))
+    resume = flags(pipeline, "inputs", "--save_state_every", "1", "--resume", "--sft_checkpoint_path", str(start))
+    weights = load_file(str(start / "model.safetensors"))
+    save_file({name: tensor + 0.01 for name, tensor in weights.items()}, str(start / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"--resume: the start checkpoint \(--sft_checkpoint_path .*own_sft\) holds other files than when the run started"):
+        train_rl.main(resume)
+    save_file(weights, str(start / "model.safetensors"), metadata={"format": "pt"})  # the same weights back: it resumes
+    real_save = train_rl.save_training_state
+
+    def crash_after_saving(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise RuntimeError("crash after the state of step 2 was saved")
+
+    monkeypatch.setattr(train_rl, "save_training_state", crash_after_saving)
+    with pytest.raises(RuntimeError, match="crash after"):
+        train_rl.main(resume)  # the same weights back: it resumes, and stops at step 2
+    monkeypatch.setattr(train_rl, "save_training_state", real_save)
+    assert read_manifest(state)["step"] == 2
+    with pytest.raises(UserError, match=r"--resume --max_steps 1: the training state in .* is at step 2 already; pass --max_steps 2 or more"):
+        train_rl.main([*resume, "--max_steps", "1"])
+    old = interrupted_run(pipeline, "old_state", monkeypatch)
+    _rewrite_in_state(old, "counters.json", lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "policy_version"}))
+    with pytest.raises(UserError, match=r"has no policy_version in its counters.json \(an older version wrote it\)"):
+        train_rl.main(flags(pipeline, "old_state", "--save_state_every", "1", "--resume"))
+    manifest = json.loads((old / MANIFEST_NAME).read_text())
+    manifest.pop("run")
+    (old / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=r"--resume: the training state in .*old_state.* records no flags \(an older version wrote it\)"):
+        train_rl.main(flags(pipeline, "old_state", "--save_state_every", "1", "--resume"))
