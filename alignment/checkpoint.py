@@ -471,6 +471,19 @@ def check_saved_model(path, what: str) -> None:
             raise UserError(f"{file} is damaged: {file.stat().st_size} bytes, its header describes {expected}; {what}")
 
 
+def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape as a safetensors file's header lists it (no tensor is read); {} for an unreadable header."""
+    try:
+        with open(file, "rb") as handle:
+            header_length = int.from_bytes(handle.read(8), "little")
+            if not 0 < header_length <= min(100_000_000, file.stat().st_size):
+                return {}
+            header = json.loads(handle.read(header_length))
+        return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
 def _safetensors_length(file: Path) -> int | None:
     """The byte length a safetensors file's header implies (8 + header + the end of the last tensor)."""
     try:

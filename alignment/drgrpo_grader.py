@@ -18,7 +18,7 @@ The contract is the one of the Dr. GRPO (understand-r1-zero) grader:
 Equivalence is decided cheapest first:
 
 1. normalised string match (whitespace, `$`, `\\dfrac`, `\\left`, `\\!` removed);
-2. plain numbers (`1,080`, `$18`, `18.00`, `-5`, `18.`, `25\\%`): exact decimal comparison,
+2. plain numbers (`1,080`, `$18`, `18.00`, `-5`, `18.`, `25\\%`, `1.8e1`): exact decimal comparison,
    decisive when both sides are plain numbers. Nearly every GSM8K answer ends here. A
    percent sign is the number's unit: `25\\%` = 25, and `1800\\%` is not 18 (math-verify
    would divide by 100; for a GSM8K "what percentage" problem that is a wrong answer);
@@ -240,7 +240,8 @@ def _normalise_string(text: str) -> str:
 
 
 # Thousands commas must be well placed: `1,080` is a number, `1,08` is not (a tuple?).
-_PLAIN_NUMBER = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)")
+# Scientific notation (`1.8e1`, `1e3`) is a plain number too: its exponent is bounded, and Decimal compares it exactly.
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,4})?")
 
 
 def _plain_number(text: str) -> Decimal | None:

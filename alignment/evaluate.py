@@ -27,7 +27,7 @@ from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
 from alignment.errors import UserError, run_cli
-from alignment.rollout import SamplingSettings, build_engine
+from alignment.rollout import SamplingSettings, build_engine, check_model_folder
 
 
 def evaluate_math(llm, reward_fn, prompts: list[str], ground_truths: list[str], sampling_params: SamplingSettings, samples_path=None) -> dict:
@@ -204,6 +204,7 @@ def main(argv=None) -> dict:
     if Path(args.model_path).exists():  # metrics written into a checkpoint would make it a folder the tool no longer owns
         check_distinct_outputs([(args.model_path, "--model_path"), (output_dir, "--output_dir")])
     check_saved_model(args.model_path, "it cannot be evaluated; restore it or pass another --model_path")
+    check_model_folder(args.model_path, "--model_path")
     dataset = Gsm8kDataset(args.split, args.data_dir, limit=args.num_examples)
     with OutputLock([(output_dir, "--output_dir")]):  # two evaluations never write one folder at once
         claim_log_folder(output_dir, "--output_dir")

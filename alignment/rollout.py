@@ -490,6 +490,46 @@ def checkpoint_tensors(folder):
         yield from load_file(str(file)).items()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them: a fast, SentencePiece or BPE vocabulary
+
+
+def check_model_folder(path, flag: str) -> None:
+    """Before any engine loads a local model folder: its config names an architecture transformers knows, its
+    tokenizer loads, and every weight in its safetensors files has the shape its config.json implies.
+
+    Each problem is one line naming the flag, the folder and what to do (vLLM and transformers would fail deep
+    inside, or only after a whole run). A hub id is left to transformers."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        return
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"{flag} {path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); save the tokenizer beside the weights "
+                        "(`tokenizer.save_pretrained`) or copy its files there")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as error:
+        raise UserError(f"{flag} {path}: its config.json does not load ({str(error).splitlines()[0][:200]}); restore it, or install a "
+                        "transformers that knows its model_type") from None
+    try:
+        AutoTokenizer.from_pretrained(path)
+    except Exception as error:  # noqa: BLE001 - a damaged tokenizer file fails with JSON, Rust or OS errors
+        raise UserError(f"{flag} {path}: its tokenizer does not load ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}); "
+                        "restore the tokenizer files") from None
+    with torch.device("meta"):
+        expected = {name: tuple(tensor.shape) for name, tensor in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    from alignment.checkpoint import safetensors_shapes
+
+    for file in sorted(path.glob("*.safetensors")):
+        for name, shape in safetensors_shapes(file).items():
+            if name in expected and expected[name] != shape:
+                raise UserError(f"{flag} {path}: {file.name} holds {name} of shape {list(shape)}, but its config.json makes it {list(expected[name])}; "
+                                "the weights and config.json come from different models: restore the matching config.json")
+
+
 def load_hf_model(model_path, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 

@@ -80,7 +80,7 @@ from alignment.optim import build_optimizer, build_scheduler, set_peak_learning_
 from alignment.policy_update import UpdateSettings, empty_totals, load_reference, needs_old_policy_pass, prepare_policy, score_with, sequence_lengths, update_policy
 from alignment.precision import describe as describe_precision
 from alignment.precision import master_dtype
-from alignment.rollout import HfEngine, SamplingSettings, checkpoint_tensors, load_hf_model, load_tokenizer
+from alignment.rollout import HfEngine, SamplingSettings, check_model_folder, checkpoint_tensors, load_hf_model, load_tokenizer
 from alignment.run_log import STEP_TIMINGS, RunLog, step_scalars, timed
 from alignment.sampler import batches_ahead, rollout_batch, sample_and_grade, start_sampler, truncated_responses
 from alignment.sampler_process import SamplerProcessError
@@ -397,6 +397,7 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
         # run removes its training state, so only an interrupted one trains past a checkpoint)
         check_checkpoint(args.checkpoint_path, "--checkpoint_path", "remove it to train again")
         check_saved_model(args.checkpoint_path, f"the checkpoint cannot be evaluated; remove {args.checkpoint_path} to train again")
+        check_model_folder(args.checkpoint_path, "--checkpoint_path")
         check_writable(run_dir, "--log_dir")
         with OutputLock([(run_dir, "--log_dir/--run_name")] if writes else []):
             if writes:
@@ -406,6 +407,7 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
     if not Path(base_model_checkpoint_path).is_dir():
         raise UserError(f"--sft_checkpoint_path {base_model_checkpoint_path} must be a local folder (train_rl reads its config and loads it into vLLM)")
     check_saved_model(base_model_checkpoint_path, f"RL cannot start from it; restore it or run train_sft again (--sft_checkpoint_path {base_model_checkpoint_path})")
+    check_model_folder(base_model_checkpoint_path, "--sft_checkpoint_path")
     context = model_context_length(base_model_checkpoint_path)
     for flag in ("sampling_max_tokens", "eval_max_tokens"):
         if context and getattr(args, flag) >= context:

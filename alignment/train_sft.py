@@ -36,7 +36,7 @@ from alignment.evaluate import evaluate_math
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.precision import autocast, master_dtype
 from alignment.precision import describe as describe_precision
-from alignment.rollout import HfEngine, SamplingSettings, load_hf_model, load_tokenizer
+from alignment.rollout import HfEngine, SamplingSettings, check_model_folder, load_hf_model, load_tokenizer
 from alignment.sft_helpers import get_response_log_probs, microbatches, sft_microbatch_train_step, tokenize_prompt_and_output
 
 
@@ -145,6 +145,7 @@ def main(argv=None) -> dict:
     run_dir = f"{args.log_dir}/{args.run_name}"
     check_distinct_outputs([(args.checkpoint_path, "--checkpoint_path"), (run_dir, "--log_dir/--run_name")])
     check_saved_model(args.model, "SFT cannot start from it; restore it or pass another --model")
+    check_model_folder(args.model, "--model")
     check_writable(Path(args.checkpoint_path).parent, "--checkpoint_path", args.checkpoint_path)
     check_writable(run_dir, "--log_dir")
     with OutputLock([(args.checkpoint_path, "--checkpoint_path"), (run_dir, "--log_dir/--run_name")]), StopOnSignal() as stop:

@@ -121,10 +121,16 @@ EQUIVALENT = [
     ("\\frac{\\pi}{2}", "\\frac12\\pi"),
     ("(x+1)^2", "x^2+2x+1"),
     ("10^{3}", "1000"),
+    ("1.8e1", "18"),  # scientific notation is a plain number (it went to sympy, which read `e` as Euler's number)
+    ("1e3", "1000"),
+    ("2E2", "200"),
+    ("1.0e+3", "1000"),
+    ("25e-1", "2.5"),
 ]
 
 NOT_EQUIVALENT = [
     ("19", "18"),
+    ("1.8e1", "1.8"),
     ("-5", "5"),
     ("18.01", "18"),
     ("1.414", "\\sqrt{2}"),  # as strict as Dr. GRPO: a rounded decimal is not the surd

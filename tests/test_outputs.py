@@ -757,3 +757,53 @@ def test_resume_refuses_what_would_silently_change_the_run(pipeline, monkeypatch
     (old / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(UserError, match=r"--resume: the training state in .*old_state.* records no flags \(an older version wrote it\)"):
         train_rl.main(flags(pipeline, "old_state", "--save_state_every", "1", "--resume"))
+
+
+def _broken_model_folders(pipeline) -> dict[str, Path]:
+    """Copies of the tiny model, each broken as a model folder from elsewhere gets broken."""
+    import shutil
+
+    def config_change(**changes):
+        def change(folder):
+            config = json.loads((folder / "config.json").read_text())
+            config.update({key: value(config) if callable(value) else value for key, value in changes.items()})
+            (folder / "config.json").write_text(json.dumps(config))
+        return change
+
+    breaks = {
+        "no_tokenizer": lambda folder: [file.unlink() for file in folder.glob("*token*")],
+        "vocab_size": config_change(vocab_size=lambda config: config["vocab_size"] + 7),
+        "other_shape": config_change(intermediate_size=lambda config: config["intermediate_size"] * 2),
+        "model_type": config_change(model_type="qwen9"),
+        "truncated_tokenizer": lambda folder: (folder / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes()[:3000]),
+    }
+    folders = {}
+    for name, breaking in breaks.items():
+        folders[name] = pipeline.root / "broken_models" / name
+        if not folders[name].exists():
+            shutil.copytree(pipeline.sft, folders[name])
+            breaking(folders[name])
+    return folders
+
+
+BROKEN_MODEL_MESSAGES = {
+    "no_tokenizer": r"has no tokenizer \(tokenizer.json or tokenizer.model or vocab.json\); save the tokenizer beside the weights",
+    "vocab_size": r"model.safetensors holds model.embed_tokens.weight of shape \[\d+, \d+\], but its config.json makes it \[\d+, \d+\]",
+    "other_shape": r"model.safetensors holds model.layers.0.mlp.\w+.weight of shape .* the weights and config.json come from different models",
+    "model_type": r"its config.json does not load \(.*model type `qwen9`.*\); restore it, or install a transformers that knows its model_type",
+    "truncated_tokenizer": r"its tokenizer does not load \(\w+: .*\); restore the tokenizer files",
+}
+
+
+def test_a_broken_model_folder_is_one_line_before_any_engine_loads_it(pipeline):
+    """A folder without tokenizer files, with a wrong vocab_size, with weights of another shape, an unknown model_type,
+    a truncated tokenizer.json: as evaluate's --model_path, train_rl's --sft_checkpoint_path and train_sft's --model."""
+    for name, folder in _broken_model_folders(pipeline).items():
+        message = BROKEN_MODEL_MESSAGES[name]
+        with pytest.raises(UserError, match=rf"--model_path .*{name}(: | ){message}"):
+            evaluate.main(["--model_path", str(folder), "--backend", "vllm", "--data_dir", str(pipeline.data), "--output_dir", str(pipeline.root / "eval_broken")])
+        with pytest.raises(UserError, match=rf"--sft_checkpoint_path .*{name}(: | ){message}"):
+            train_rl.main([*flags(pipeline, f"broken_{name}"), "--sft_checkpoint_path", str(folder), "--rollout_backend", "vllm"])
+        with pytest.raises(UserError, match=rf"--model .*{name}(: | ){message}"):
+            train_sft.main(["--model", str(folder), "--checkpoint_path", str(pipeline.root / f"sft_{name}"), "--data_dir", str(pipeline.data),
+                            "--log_dir", str(pipeline.root / "runs")])
