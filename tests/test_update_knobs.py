@@ -1,0 +1,249 @@
+"""Every flag that changes the update, shown to act: each test asserts the quantity its flag controls, on a tiny
+model, through train_rl or update_policy with settings parsed from the command line, and fails when the flag stops
+working (each was checked by planting that defect by hand; bench/RESULTS.md lists the flags and their tests).
+
+The tiny random model never answers right, so the train_rl runs here grade with `parity_reward` (1 for a response of
+an even number of characters): rewards differ within groups and every update moves the weights.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from alignment import grpo, policy_update, train_rl
+from alignment.args import parse_rl_args
+from alignment.optim import build_optimizer, build_scheduler
+from alignment.policy_update import UpdateSettings, sequence_lengths, update_policy
+from alignment.sft_helpers import tokenize_rollouts
+from conftest import make_tiny_task, parity_reward, steps_log, train_rl_flags
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return make_tiny_task(tmp_path_factory.mktemp("knobs"), num_train=16, num_test=4, seed=4)
+
+
+def run(task, monkeypatch, name, *extra):
+    """A 2-step train_rl run (2 prompts x 4 responses, one microbatch of 8 rows) graded by parity."""
+    monkeypatch.setattr(train_rl, "grade_responses", parity_reward)
+    train_rl.main(train_rl_flags(task, name, "--max_steps", "2", "--rollout_batch_size", "2", "--group_size", "4", "--sampling_max_tokens", "10",
+                                 "--eval_max_tokens", "4", "--eval_num_examples", "1", "--kl_coef", "0", "--no-log_reference_kl", *extra))
+    return steps_log(task, name)
+
+
+def record_clip_calls(monkeypatch) -> list[dict]:
+    """What grpo_clip's loss is given at each call: the ratio it sees and the log-probs it compares against."""
+    calls, real = [], grpo.compute_grpo_clip_loss
+
+    def recording(advantages, policy_log_probs, old_log_probs, cliprange, cliprange_high=None):
+        loss, metadata = real(advantages, policy_log_probs, old_log_probs, cliprange, cliprange_high)
+        calls.append({"ratio": metadata["ratio"].clone(), "old": old_log_probs.detach().clone(), "cliprange": cliprange, "high": cliprange_high})
+        return loss, metadata
+
+    monkeypatch.setattr(grpo, "compute_grpo_clip_loss", recording)
+    return calls
+
+
+def record_updates(monkeypatch) -> list[dict]:
+    """Each batch train_rl's update gets, with the learning rate and betas its optimizer holds then."""
+    updates, real = [], train_rl.update_policy
+
+    def recording(model, optimizer, scheduler, batch, *args, **kwargs):
+        updates.append({"batch": batch, "lr": optimizer.param_groups[0]["lr"], "betas": optimizer.param_groups[0]["betas"],
+                        "weight_decay": optimizer.param_groups[0]["weight_decay"]})
+        return real(model, optimizer, scheduler, batch, *args, **kwargs)
+
+    def recording_totals(*args, **kwargs):
+        totals = recording(*args, **kwargs)
+        updates[-1]["totals"] = totals
+        return totals
+
+    monkeypatch.setattr(train_rl, "update_policy", recording_totals)
+    return updates
+
+
+def test_epochs_per_rollout_batch_give_grpo_clip_a_ratio_against_the_pre_update_policy(task, monkeypatch):
+    """--epochs_per_rollout_batch 2: the second pass compares against the policy before the batch's first step (the
+    old-policy scoring pass), so its ratio leaves 1; the first pass's is 1 (same weights)."""
+    calls = record_clip_calls(monkeypatch)
+    run(task, monkeypatch, "two_epochs", "--epochs_per_rollout_batch", "2", "--learning_rate", "1e-2")
+    assert len(calls) == 4  # 2 steps x 2 passes x 1 microbatch
+    for first, second in (calls[0:2], calls[2:4]):
+        assert (first["ratio"] - 1).abs().max() < 1e-5
+        assert (second["ratio"] - 1).abs().max() > 1e-3
+        # both passes compare against the same stored log-probs (the second pass in another row order)
+        assert torch.equal(first["old"].sum(-1).sort().values, second["old"].sum(-1).sort().values)
+
+
+def test_old_policy_reference_compares_against_the_frozen_reference(task, monkeypatch):
+    """--old_policy reference (the seed): grpo_clip's old log-probs are the reference model's, so once the policy has
+    moved (step 2) its ratio leaves 1 even with one optimizer step per batch."""
+    calls, updates = record_clip_calls(monkeypatch), record_updates(monkeypatch)
+    run(task, monkeypatch, "reference_ratio", "--old_policy", "reference", "--learning_rate", "1e-2")
+    assert len(calls) == 2
+    for call, update in zip(calls, updates):
+        mask = update["batch"]["response_mask"]
+        reference = update["batch"]["ref_log_probs"]
+        assert torch.allclose(call["old"][mask], reference[mask])
+    assert (calls[1]["ratio"] - 1).abs().max() > 1e-3
+
+
+def test_cliprange_and_cliprange_high_reach_the_loss(task, monkeypatch):
+    calls = record_clip_calls(monkeypatch)
+    run(task, monkeypatch, "clip_ranges", "--cliprange", "0.1", "--cliprange_high", "0.28")
+    assert {(call["cliprange"], call["high"]) for call in calls} == {(0.1, 0.28)}
+
+
+def test_warmup_and_learning_rate_set_each_steps_rate_and_betas_reach_adamw(task, monkeypatch):
+    """--warmup_steps 2 --learning_rate 1e-3: rates 5e-4, then 1e-3, in the optimizer at each update and in the log."""
+    updates = record_updates(monkeypatch)
+    rows = run(task, monkeypatch, "warmup", "--warmup_steps", "2", "--learning_rate", "1e-3", "--adam_betas", "0.8", "0.9", "--weight_decay", "0.01")
+    assert [update["lr"] for update in updates] == pytest.approx([5e-4, 1e-3])
+    assert [row["train/lr"] for row in rows] == pytest.approx([1e-3, 1e-3])  # logged after the step's scheduler step
+    assert {update["betas"] for update in updates} == {(0.8, 0.9)} and {update["weight_decay"] for update in updates} == {0.01}
+
+
+def test_train_batch_size_and_microbatches_set_the_steps_and_the_forward_passes(task, monkeypatch):
+    """8 rollouts a batch: --train_batch_size 4 gives 2 optimizer steps; --train_mini_batch_size 2 gives 2 microbatches
+    per step; --microbatch_tokens 1 (below one row) cuts one row per microbatch instead."""
+    updates = record_updates(monkeypatch)
+    run(task, monkeypatch, "batch_sizes", "--train_batch_size", "4", "--train_mini_batch_size", "2")
+    assert [(u["totals"]["optimizer_steps"], u["totals"]["microbatches"]) for u in updates] == [(2, 4), (2, 4)]
+    updates.clear()
+    run(task, monkeypatch, "token_budget", "--train_batch_size", "4", "--train_mini_batch_size", "4", "--microbatch_tokens", "1")
+    assert [(u["totals"]["optimizer_steps"], u["totals"]["microbatches"]) for u in updates] == [(2, 8), (2, 8)]
+
+
+# ------------------------------------------------------------ through update_policy, settings from the flags
+
+
+def settings_and_args(task, *flags):
+    args = parse_rl_args(["--data_dir", str(task.data), "--rollout_batch_size", "2", "--group_size", "2", "--train_mini_batch_size", "4",
+                          "--logprob_chunk_size", "0", *flags])
+    return UpdateSettings.from_args(args), args
+
+
+def small_batch(tokenizer):
+    prompts = ["User: Ava has 3 apples.\nAssistant: <think>"] * 2 + ["User: Ben has 9 pens.\nAssistant: <think>"] * 2
+    responses = [" 3 + 2 = 5 </answer>", " 6 </answer>", " 9 </answer>", " 1 2 3 </answer>"]
+    batch = {**tokenize_rollouts(prompts, responses, tokenizer), "raw_rewards": torch.tensor([1.0, 0.0, 1.0, 0.0]),
+             "advantages": torch.tensor([0.7, -0.7, 0.7, -0.7])}
+    batch["lengths"] = sequence_lengths(batch["response_mask"])
+    return batch
+
+
+def trainer_log_probs(model, batch) -> torch.Tensor:
+    return policy_update.score_with(model, batch, 4, "cpu", chunk_size=0)
+
+
+def test_tis_cap_bounds_every_importance_weight(tiny_model_and_tokenizer, task, monkeypatch):
+    """One step off (--rollout_staleness 1) with --tis_cap 1.5: rollouts the sampler scored one nat below the trainer
+    (ratio e) get weight 1.5 on every token; none more."""
+    base, tokenizer = tiny_model_and_tokenizer
+    settings, args = settings_and_args(task, "--rollout_staleness", "1", "--tis_cap", "1.5", "--loss_type", "reinforce_with_baseline")
+    batch = small_batch(tokenizer)
+    batch["sampler_log_probs"] = torch.where(batch["response_mask"], trainer_log_probs(base, batch) - 1.0, torch.tensor(float("nan")))
+    weights, real = [], policy_update.grpo_microbatch_train_step
+
+    def recording(*step_args, importance_weights=None, **kwargs):
+        weights.append(importance_weights)
+        return real(*step_args, importance_weights=importance_weights, **kwargs)
+
+    monkeypatch.setattr(policy_update, "grpo_microbatch_train_step", recording)
+    model = copy.deepcopy(base)
+    optimizer = build_optimizer(model, args.learning_rate, args.weight_decay, args.adam_betas)
+    totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, settings, "cpu")
+    mask = batch["response_mask"]  # (the microbatch's rows are length-sorted; off the response the weight is 1)
+    assert len(weights) == 1 and set(weights[0].unique().tolist()) == {1.0, 1.5} and (weights[0] == 1.5).sum() == mask.sum()
+    assert totals["tis_capped"] == mask.sum().item() and totals["sampler_ratio_max"] == pytest.approx(torch.e, rel=1e-4)
+
+
+def test_max_grad_norm_clips_the_step(tiny_model_and_tokenizer, task):
+    """--max_grad_norm 0.05 with plain SGD at lr 1: the weights move by exactly the clipped gradient, norm 0.05,
+    while the gradient itself (logged as train/grad_norm) is larger."""
+    base, tokenizer = tiny_model_and_tokenizer
+    settings, _ = settings_and_args(task, "--max_grad_norm", "0.05", "--loss_type", "reinforce_with_baseline")
+    model = copy.deepcopy(base)
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), small_batch(tokenizer), settings, "cpu")
+    moved = (torch.cat([p.detach().flatten() for p in model.parameters()]) - before).norm().item()
+    assert totals["grad_norm"] > 0.1 and moved == pytest.approx(0.05, rel=1e-4)
+
+
+def test_weight_decay_reaches_adamw(tiny_model_and_tokenizer, task):
+    """--weight_decay 0.5 at lr 0.1 on a batch whose advantages are all 0 (no gradient): every weight shrinks by exactly 5%."""
+    base, tokenizer = tiny_model_and_tokenizer
+    settings, args = settings_and_args(task, "--weight_decay", "0.5", "--learning_rate", "0.1", "--loss_type", "reinforce_with_baseline")
+    batch = small_batch(tokenizer)
+    batch["advantages"] = torch.zeros(4)
+    model = copy.deepcopy(base)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = build_optimizer(model, args.learning_rate, args.weight_decay, args.adam_betas)
+    update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, settings, "cpu")
+    assert all(torch.allclose(p.detach(), 0.95 * old, atol=1e-7) for p, old in zip(model.parameters(), before))
+
+
+def record_microbatch_steps(monkeypatch) -> list[dict]:
+    """The keyword arguments of each grpo_microbatch_train_step call (the loss options the update passes)."""
+    calls, real = [], policy_update.grpo_microbatch_train_step
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(policy_update, "grpo_microbatch_train_step", recording)
+    return calls
+
+
+def test_length_normalization_and_kl_options_reach_the_loss(task, monkeypatch):
+    calls = record_microbatch_steps(monkeypatch)
+    run(task, monkeypatch, "loss_options", "--length_normalization", "constant", "--kl_coef", "0.05", "--kl_estimator", "k2")
+    assert {(c["length_normalization"], c["normalize_constant"], c["kl_coef"], c["kl_estimator"]) for c in calls} == {("constant", 10.0, 0.05, "k2")}
+    assert all(c["ref_log_probs"] is not None for c in calls)
+    calls.clear()
+    run(task, monkeypatch, "kl_in_reward", "--kl_coef", "0.05", "--kl_in", "reward")
+    assert {c["kl_coef"] for c in calls} == {0.0}  # the KL left the loss for the rewards
+
+
+def test_scoring_temperature_scores_the_distribution_that_was_sampled(task, monkeypatch):
+    """--sampling_temperature 0.5 (and no repetition penalty): the HF sampler's log-probs of its tokens equal the update's
+    on step 1 (same weights), because the update divides the logits by the same temperature."""
+    rows = run(task, monkeypatch, "temperature", "--sampling_temperature", "0.5", "--repetition_penalty", "1.0")
+    assert rows[0]["train/sampler_logprob_abs_diff"] < 0.01  # (~1e-3: generate's cached, left-padded forward); scored at 1.0: ~0.5
+
+
+def test_advantage_normalisation_flags_shape_the_advantages(task, monkeypatch):
+    """--no-use_std_normalization: reward minus the group mean (Dr. GRPO); with std: divided by (std + --advantage_eps)."""
+    updates = record_updates(monkeypatch)
+    run(task, monkeypatch, "no_std", "--no-use_std_normalization")
+    run(task, monkeypatch, "eps", "--advantage_eps", "0.5")
+    for update, use_std in zip(updates, (False, False, True, True)):
+        rewards = update["batch"]["raw_rewards"].view(-1, 4)
+        centred = rewards - rewards.mean(1, keepdim=True)
+        expected = centred / (rewards.std(1, keepdim=True) + 0.5) if use_std else centred
+        assert torch.allclose(update["batch"]["advantages"], expected.flatten(), atol=1e-6)
+
+
+def test_skip_zero_signal_skips_a_batch_whose_groups_all_tie(task, monkeypatch):
+    """Every reward 0: skipped (and counted) by default; --no-skip_zero_signal runs the update anyway, as the seed did."""
+    updates = record_updates(monkeypatch)
+    tied = lambda responses, truths, **_: [{"reward": 0.0, "format_reward": 0.0, "answer_reward": 0.0} for _ in responses]  # noqa: E731
+    monkeypatch.setattr(train_rl, "grade_responses", tied)
+    train_rl.main(train_rl_flags(task, "tied", "--max_steps", "2", "--rollout_batch_size", "2", "--group_size", "4", "--kl_coef", "0",
+                                 "--no-log_reference_kl", "--eval_num_examples", "1", "--eval_max_tokens", "4"))
+    assert updates == [] and [row["train/zero_signal_batches"] for row in steps_log(task, "tied")] == [1, 2]
+    train_rl.main(train_rl_flags(task, "tied_run", "--max_steps", "2", "--rollout_batch_size", "2", "--group_size", "4", "--kl_coef", "0",
+                                 "--no-log_reference_kl", "--eval_num_examples", "1", "--eval_max_tokens", "4", "--no-skip_zero_signal"))
+    assert len(updates) == 2
+
+
+@pytest.mark.slow
+def test_mismatch_correction_masks_one_step_off(task, monkeypatch):
+    """--rollout_staleness 1 --mismatch_correction token_mask, grpo_clip: its ratio already holds the sampler's log-probs, so
+    the correction is a 0/1 mask per token (IcePop), passed to the loss; the masked fraction is logged. (tis passes none.)"""
+    calls = record_microbatch_steps(monkeypatch)
+    rows = run(task, monkeypatch, "token_mask", "--rollout_staleness", "1", "--mismatch_correction", "token_mask")
+    assert calls and all(c["importance_weights"] is not None and set(c["importance_weights"].unique().tolist()) <= {0.0, 1.0} for c in calls)
+    assert all(row["train/mismatch_masked_fraction"] is not None and 0.0 <= row["train/mismatch_masked_fraction"] <= 1.0 for row in rows)
