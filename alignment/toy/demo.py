@@ -43,6 +43,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,9 +87,19 @@ CONFIG = {
 }
 
 
-def _echo(line: str, log, shown) -> None:
-    """Keep every line in the stage's log; show the ones a reader wants on `shown` (no log records, no progress bars)."""
+# What a stage writes to stderr is kept in its log only (library warnings: vLLM's FutureWarnings, NUMA binding,
+# "Triton is installed, but doesn't include CPU backend"), except this project's own error and stop lines.
+OWN_STDERR_LINES = ("error:", "stopped by", "interrupted")
+
+
+def _echo(line: str, log, shown, from_stderr: bool = False) -> None:
+    """Keep every line in the stage's log; show the ones a reader wants on `shown` (this project's lines: no log
+    records, progress bars or third-party warnings)."""
     log.write(line)
+    if from_stderr:
+        if line.startswith(OWN_STDERR_LINES):
+            print(line, end="", file=shown, flush=True)
+        return
     progress_bar = line.rstrip().endswith(("it/s]", "s/it]", "step/s]", "s/step]"))
     if not line.startswith(("INFO", "(EngineCore", "(MainProcess", "WARNING", "DEBUG")) and not progress_bar:
         print(line, end="", file=shown, flush=True)
@@ -97,18 +108,18 @@ def _echo(line: str, log, shown) -> None:
 class _LineTee(io.TextIOBase):
     """A text stream that hands each whole line to `_echo` (a progress bar's carriage return ends one too)."""
 
-    def __init__(self, log, shown):
-        self.log, self.shown, self.pending = log, shown, ""
+    def __init__(self, log, shown, from_stderr: bool = False):
+        self.log, self.shown, self.from_stderr, self.pending = log, shown, from_stderr, ""
 
     def write(self, text: str) -> int:
         *lines, self.pending = re.split(r"\r\n|\r|\n", self.pending + text)
         for line in lines:
-            _echo(line + "\n", self.log, self.shown)
+            _echo(line + "\n", self.log, self.shown, self.from_stderr)
         return len(text)
 
     def finish(self) -> None:
         if self.pending:
-            _echo(self.pending + "\n", self.log, self.shown)
+            _echo(self.pending + "\n", self.log, self.shown, self.from_stderr)
             self.pending = ""
 
 
@@ -119,17 +130,21 @@ def _run(stage: str, module: str, flags: list[str], log_dir: Path, in_process: b
     started = time.perf_counter()
     with open(log_dir / f"{stage}.log", "w") as log:
         if in_process:
-            tee = _LineTee(log, sys.stdout)
+            out, err = _LineTee(log, sys.stdout), _LineTee(log, sys.stdout, from_stderr=True)
             try:
-                with contextlib.redirect_stdout(tee), contextlib.redirect_stderr(tee):
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                     importlib.import_module(module).main(flags)
             finally:
-                tee.finish()  # a last line without its newline, kept even when main raised
+                out.finish()  # a last line without its newline, kept even when main raised
+                err.finish()
         else:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-            process = subprocess.Popen([sys.executable, "-m", module, *flags], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            process = subprocess.Popen([sys.executable, "-m", module, *flags], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            errors = threading.Thread(target=lambda: [_echo(line, log, sys.stdout, from_stderr=True) for line in process.stderr], daemon=True)
+            errors.start()
             for line in process.stdout:
                 _echo(line, log, sys.stdout)
+            errors.join()
             if process.wait():
                 raise SystemExit(f"{stage} failed (exit {process.returncode}); see {log_dir / f'{stage}.log'}")
     return time.perf_counter() - started
