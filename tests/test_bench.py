@@ -116,6 +116,14 @@ def test_gsm8k_recipe_script_runs_sft_then_the_recipe_and_a_variant_from_it(tmp_
     assert "Traceback" not in (tmp_path / "out" / "drgrpo.log").read_text()
 
 
+def test_grader_bench_quick_run_measures_every_section(tmp_path):
+    run_bench("bench_grader.py", tmp_path / "grader.json", "--quick")
+    result = json.loads((tmp_path / "grader.json").read_text())
+    assert result["quick"] and result["gsm8k_gold"]["calls"] == result["gsm8k_off_by_one"]["calls"] > 0
+    assert len(result["hostile"]["per_input_ms"]) >= 15 and result["hostile"]["worst_input"] in result["hostile"]["per_input_ms"]
+    assert result["batch"]["size"] > 0 and {"gsm8k", "math_style"} <= result["batch"].keys()
+
+
 def test_step_bench_runs_on_the_callers_gpus(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
     from bench_step import visible_gpus
