@@ -247,3 +247,24 @@ def test_mismatch_correction_masks_one_step_off(task, monkeypatch):
     rows = run(task, monkeypatch, "token_mask", "--rollout_staleness", "1", "--mismatch_correction", "token_mask")
     assert calls and all(c["importance_weights"] is not None and set(c["importance_weights"].unique().tolist()) <= {0.0, 1.0} for c in calls)
     assert all(row["train/mismatch_masked_fraction"] is not None and 0.0 <= row["train/mismatch_masked_fraction"] <= 1.0 for row in rows)
+
+
+def test_each_rollout_step_samples_with_its_own_seed(task, monkeypatch):
+    """The same prompts at steps 1 and 2 with weights that do not move (lr 1e-12 rounds away in fp32): the HF sampler's
+    rollouts still differ, each step seeded by (--seed, step); the same run again draws the same ones."""
+    same_prompts = train_rl.rollout_batch(train_rl.Gsm8kDataset("train", task.data), 1, 8, 2, 42)
+    monkeypatch.setattr(train_rl, "rollout_batch", lambda *args, **kwargs: same_prompts)
+    runs = []
+    for name in ("seeded", "seeded_again"):
+        drawn = []
+
+        def grading(responses, truths, **kwargs):
+            drawn.append(list(responses))
+            return parity_reward(responses, truths)
+
+        monkeypatch.setattr(train_rl, "grade_responses", grading)
+        train_rl.main(train_rl_flags(task, name, "--max_steps", "2", "--rollout_batch_size", "2", "--group_size", "4", "--sampling_max_tokens", "10",
+                                     "--eval_max_tokens", "4", "--eval_num_examples", "1", "--kl_coef", "0", "--no-log_reference_kl", "--learning_rate", "1e-12"))
+        runs.append(drawn)
+    assert len(runs[0]) == 2 and runs[0][0] != runs[0][1]  # step 2 drew other rollouts of the same prompts
+    assert runs[1] == runs[0]  # and a run repeats its draws
