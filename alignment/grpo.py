@@ -1,4 +1,4 @@
-"""The policy-gradient math: group-normalised advantages, the three losses, masking.
+"""The policy-gradient math: group-normalised advantages, the five losses, masking.
 
 Pure tensor-in, tensor-out functions: no model, no vLLM, no I/O. Names, argument
 orders and return types follow the CS336 assignment-5 convention, so notebooks and
@@ -415,7 +415,6 @@ def grpo_microbatch_train_step(
     token_count = mask.sum().clamp(min=1.0)
     if "clipped" in loss_metadata:
         metadata["clip_fraction"] = (loss_metadata["clipped"].to(mask.dtype) * mask).sum() / token_count
-        metadata["ratio_mean"] = (loss_metadata["ratio"] * mask).sum() / token_count
     if "kl" in loss_metadata:
         metadata["kl"] = (loss_metadata["kl"] * mask).sum() / token_count
     if "entropy_bonus" in loss_metadata:

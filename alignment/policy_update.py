@@ -9,7 +9,7 @@ settings come in one frozen `UpdateSettings`, built once from the flags. Used by
 train_rl and by the benchmarks, which time exactly this code.
 """
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -97,9 +97,6 @@ class UpdateSettings:
         values["pack_sequences"] = bool(values.get("pack_sequences") if pack_sequences is None else pack_sequences)
         values["train_batch_size"] = args.train_batch_size // world_size
         return cls(**values)
-
-    def with_changes(self, **changes) -> "UpdateSettings":
-        return replace(self, **changes)
 
     def scoring_options(self, compute_dtype) -> dict:
         """`score_with`'s keyword arguments: the reference and old-policy passes score as the update does."""

@@ -200,13 +200,6 @@ class _SampledLogProbs:
         return torch.stack(self.columns, dim=1).cpu() if self.columns else torch.zeros(generated.shape)
 
 
-def _vllm_version() -> tuple[int, int]:
-    import vllm
-
-    major, minor = vllm.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
 def isolate_compile_caches(index: int) -> None:
     """One set of compile caches per GPU index, for this process (one engine per process).
 

@@ -95,9 +95,11 @@ def steps_log(task, name: str) -> list[dict]:
 def update_settings(**changes):
     """`policy_update.UpdateSettings` for the update tests: one optimizer step of 16 rows in
     microbatches of 8, grpo_clip, the naive log-prob path; `changes` override any field."""
+    from dataclasses import replace
+
     from alignment.policy_update import UpdateSettings
 
-    return UpdateSettings(train_batch_size=16, train_mini_batch_size=8, logprob_chunk_size=0).with_changes(**changes)
+    return replace(UpdateSettings(train_batch_size=16, train_mini_batch_size=8, logprob_chunk_size=0), **changes)
 
 
 def make_tiny_task(root: Path, num_train: int, num_test: int, seed: int) -> SimpleNamespace:
@@ -168,14 +170,24 @@ def kill_train_rl_after_saved_state(flags: list[str], step: int, timeout: float 
     state of `step` saved (a crash with no chance to clean up)."""
     import signal
     import subprocess
-    import time
+    import threading
 
     process = subprocess.Popen(train_rl_command(flags, reward), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                text=True, env=child_env())
-    deadline = time.time() + timeout
-    for line in process.stdout:
-        if line.startswith(f"saved training state at step {step}"):
-            process.send_signal(signal.SIGKILL)
-            break
-        assert time.time() < deadline
+    expired = threading.Event()
+
+    def expire():  # a child that hangs without printing ends too: its stdout closes when it dies
+        expired.set()
+        process.kill()
+
+    timer = threading.Timer(timeout, expire)
+    timer.start()
+    try:
+        for line in process.stdout:
+            if line.startswith(f"saved training state at step {step}"):
+                process.send_signal(signal.SIGKILL)
+                break
+    finally:
+        timer.cancel()
     process.wait()
+    assert not expired.is_set(), f"train_rl printed no 'saved training state at step {step}' within {timeout} s; killed"
