@@ -49,8 +49,8 @@ def snapshot(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def interrupted_run(pipeline, name, monkeypatch, *extra):
-    """A run stopped right after its step-1 training state was written (as a crash would leave it)."""
+def run_until_a_state_is_saved(monkeypatch, argv) -> None:
+    """train_rl.main(argv), stopped right after it writes its next training state (as a crash would leave it)."""
     real_save = train_rl.save_training_state
 
     def save_then_crash(*args, **kwargs):
@@ -59,8 +59,13 @@ def interrupted_run(pipeline, name, monkeypatch, *extra):
 
     monkeypatch.setattr(train_rl, "save_training_state", save_then_crash)
     with pytest.raises(RuntimeError, match="crash after"):
-        train_rl.main(flags(pipeline, name, "--save_state_every", "1", *extra))
+        train_rl.main(argv)
     monkeypatch.setattr(train_rl, "save_training_state", real_save)
+
+
+def interrupted_run(pipeline, name, monkeypatch, *extra):
+    """A run stopped right after its step-1 training state was written."""
+    run_until_a_state_is_saved(monkeypatch, flags(pipeline, name, "--save_state_every", "1", *extra))
     state = pipeline.root / name / "rl.state"
     assert has_training_state(state)
     return state
@@ -735,17 +740,8 @@ def test_resume_refuses_what_would_silently_change_the_run(pipeline, monkeypatch
     save_file({name: tensor + 0.01 for name, tensor in weights.items()}, str(start / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(UserError, match=r"--resume: the start checkpoint \(--sft_checkpoint_path .*own_sft\) holds other files than when the run started"):
         train_rl.main(resume)
-    save_file(weights, str(start / "model.safetensors"), metadata={"format": "pt"})  # the same weights back: it resumes
-    real_save = train_rl.save_training_state
-
-    def crash_after_saving(*args, **kwargs):
-        real_save(*args, **kwargs)
-        raise RuntimeError("crash after the state of step 2 was saved")
-
-    monkeypatch.setattr(train_rl, "save_training_state", crash_after_saving)
-    with pytest.raises(RuntimeError, match="crash after"):
-        train_rl.main(resume)  # the same weights back: it resumes, and stops at step 2
-    monkeypatch.setattr(train_rl, "save_training_state", real_save)
+    save_file(weights, str(start / "model.safetensors"), metadata={"format": "pt"})
+    run_until_a_state_is_saved(monkeypatch, resume)  # the same weights back: it resumes, and stops after saving step 2
     assert read_manifest(state)["step"] == 2
     with pytest.raises(UserError, match=r"--resume --max_steps 1: the training state in .* is at step 2 already; pass --max_steps 2 or more"):
         train_rl.main([*resume, "--max_steps", "1"])
