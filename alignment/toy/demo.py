@@ -65,7 +65,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `al
 # of four and SFT microbatches cut by 1,024 padded tokens (the same gradient as rows, less
 # padding), the SFT stage takes ~230 s against ~330 s on a 2-core CPU and RL gains more:
 # +50.5 / +34.5 / +47.5 points on seeds 0-2, against +27.5 / +27 / +45 with four layers and
-# eleven-token bare answers (bench/RESULTS.md section 7). Three SFT epochs: after two, one
+# eleven-token bare answers (bench/RESULTS.md section 7; the four-layer runs in docs/LOG.md). Three SFT epochs: after two, one
 # CPU's seed-1 SFT model answered bare and right more often and wrote steps too poorly for
 # them to pay (RL +10.5 points); 600 steps here gave seed 1 +29 with worked answers right
 # 0.59 of the time. Which style greedy decoding picks after SFT depends on rounding (cut by
