@@ -48,7 +48,7 @@ from alignment.errors import UserError
 
 MANIFEST_NAME = "alignment_manifest.json"
 LOG_MARKER_NAME = "alignment_log.json"
-TEMP_MARKER_NAME = "alignment_temp.json"  # inside a temp folder until its manifest is written: whose it is, for which path
+TEMP_MARKER_NAME = "alignment_temp.json"  # inside a temp folder from its creation until the swap: whose it is, for which path
 WRITER = "alignment"
 # What a folder holds; a folder is replaced only by a write of its own kind.
 KINDS = ("sft_checkpoint", "rl_checkpoint", "eval_checkpoint", "training_state")
@@ -471,30 +471,38 @@ def check_saved_model(path, what: str) -> None:
             raise UserError(f"{file} is damaged: {file.stat().st_size} bytes, its header describes {expected}; {what}")
 
 
-def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape as a safetensors file's header lists it (no tensor is read); {} for an unreadable header."""
-    try:
-        with open(file, "rb") as handle:
-            header_length = int.from_bytes(handle.read(8), "little")
-            if not 0 < header_length <= min(100_000_000, file.stat().st_size):
-                return {}
-            header = json.loads(handle.read(header_length))
-        return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}
-
-
-def _safetensors_length(file: Path) -> int | None:
-    """The byte length a safetensors file's header implies (8 + header + the end of the last tensor)."""
+def _safetensors_header(file: Path) -> tuple[int, dict] | None:
+    """(header length, header) of a safetensors file (its tensors' entries, no tensor read); None when it is unreadable."""
     try:
         with open(file, "rb") as handle:
             header_length = int.from_bytes(handle.read(8), "little")
             if not 0 < header_length <= min(100_000_000, file.stat().st_size):
                 return None
             header = json.loads(handle.read(header_length))
-        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
-        return 8 + header_length + max(ends, default=0)
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+    except (OSError, ValueError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    return header_length, {name: entry for name, entry in header.items() if name != "__metadata__"}
+
+
+def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape as a safetensors file's header lists it; {} for an unreadable header."""
+    read = _safetensors_header(file)
+    try:
+        return {name: tuple(entry["shape"]) for name, entry in read[1].items()} if read else {}
+    except (KeyError, TypeError):
+        return {}
+
+
+def _safetensors_length(file: Path) -> int | None:
+    """The byte length a safetensors file's header implies (8 + header + the end of the last tensor)."""
+    read = _safetensors_header(file)
+    if read is None:
+        return None
+    try:
+        return 8 + read[0] + max((entry["data_offsets"][1] for entry in read[1].values()), default=0)
+    except (KeyError, TypeError, IndexError):
         return None
 
 

@@ -82,7 +82,11 @@ def load_gsm8k(split: str, data_dir: str | os.PathLike = DEFAULT_DATA_DIR) -> li
     try:
         return _read_rows(path)
     except OSError as error:  # EIO, a permission error: the disk or the file, not the data
-        raise UserError(f"{path} cannot be read ({error.strerror or error}); check the disk and the file's permissions") from None
+        raise _unreadable(path, error) from None
+
+
+def _unreadable(path, error: OSError) -> UserError:
+    return UserError(f"{path} cannot be read ({error.strerror or error}); check the disk and the file's permissions")
 
 
 MAX_ROW_BYTES = 1 << 20  # GSM8K's rows are under 2 KB; a row of a megabyte fits no model's context
@@ -134,7 +138,7 @@ def data_fingerprint(data_dir, split: str = "train") -> str:
     try:
         return file_sha256(path)
     except OSError as error:
-        raise UserError(f"{path} cannot be read ({error.strerror or error}); check the disk and the file's permissions") from None
+        raise _unreadable(path, error) from None
 
 
 class Gsm8kDataset(Dataset):

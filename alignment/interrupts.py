@@ -2,8 +2,9 @@
 
 Cluster schedulers send SIGTERM before they kill a job; a person sends SIGINT; a dropped
 ssh session sends SIGHUP (its terminal is gone then, so from that signal on a failed write
-to stdout or stderr is dropped instead of ending the run). Each one only sets a flag: the training loop finishes the step it is in (a step stopped
-half-way would leave the weights and the counters disagreeing), saves a training
+to stdout or stderr is dropped instead of ending the run). Each one only sets a flag: the
+training loop finishes the step it is in (a step stopped half-way would leave the weights
+and the counters disagreeing), saves a training
 state when --save_state_every is on, and ends with the exact command that resumes.
 A second Ctrl-C stops at once (KeyboardInterrupt; the last saved state is intact).
 """

@@ -426,9 +426,10 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
         saved = read_manifest(args.state_dir).get("run", {})
         for line in check_resume_flags(saved, args, train_data_sha256, start_sha256):
             print(f"resume: {line} takes effect")
-        if args.max_steps and args.max_steps < state_step(args.state_dir):
-            raise UserError(f"--resume --max_steps {args.max_steps}: the training state in {args.state_dir} is at step {state_step(args.state_dir)} already; "
-                            f"pass --max_steps {state_step(args.state_dir)} or more (or leave it out) to continue the run")
+        saved_step = state_step(args.state_dir)
+        if args.max_steps and args.max_steps < saved_step:
+            raise UserError(f"--resume --max_steps {args.max_steps}: the training state in {args.state_dir} is at step {saved_step} already; "
+                            f"pass --max_steps {saved_step} or more (or leave it out) to continue the run")
         run_id = saved.get("run_id") or run_id  # the state stays this run's: it removes it when it finishes
     run = run_record(args, train_data_sha256, run_id, start_sha256)  # the flags as given, before devices are resolved
     with OutputLock(locks if writes else []), StopOnSignal() as stop:
