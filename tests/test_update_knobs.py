@@ -46,20 +46,17 @@ def record_clip_calls(monkeypatch) -> list[dict]:
 
 
 def record_updates(monkeypatch) -> list[dict]:
-    """Each batch train_rl's update gets, with the learning rate and betas its optimizer holds then."""
+    """Each batch train_rl's update gets, with the learning rate, betas and weight decay its optimizer holds then, and the totals it returns."""
     updates, real = [], train_rl.update_policy
 
     def recording(model, optimizer, scheduler, batch, *args, **kwargs):
-        updates.append({"batch": batch, "lr": optimizer.param_groups[0]["lr"], "betas": optimizer.param_groups[0]["betas"],
-                        "weight_decay": optimizer.param_groups[0]["weight_decay"]})
-        return real(model, optimizer, scheduler, batch, *args, **kwargs)
+        group = optimizer.param_groups[0]
+        update = {"batch": batch, "lr": group["lr"], "betas": group["betas"], "weight_decay": group["weight_decay"]}
+        updates.append(update)
+        update["totals"] = real(model, optimizer, scheduler, batch, *args, **kwargs)
+        return update["totals"]
 
-    def recording_totals(*args, **kwargs):
-        totals = recording(*args, **kwargs)
-        updates[-1]["totals"] = totals
-        return totals
-
-    monkeypatch.setattr(train_rl, "update_policy", recording_totals)
+    monkeypatch.setattr(train_rl, "update_policy", recording)
     return updates
 
 
