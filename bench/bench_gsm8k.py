@@ -162,6 +162,8 @@ def main():
 
     rl = TINY_RL if args.tiny else RL
     variants = [parse_variant(text) for text in args.variant]
+    if not args.recipe and not variants:
+        raise SystemExit("--no-recipe leaves no RL run: add at least one --variant NAME=FLAGS")
     if args.summarize_only:
         write_summary(args.out, args.model, args.gpus, rl, args.rl_run, args.trl_dir)
         return
