@@ -5,7 +5,7 @@
     python bench/bench_gsm8k.py --model models/qwen15 --gpus 0 --no-trl
     python bench/bench_gsm8k.py --model models/smol --device cpu --tiny   # smoke run of this script on a CPU
     python bench/bench_gsm8k.py --model models/qwen15 --gpus 0 --no-trl --no-base_eval --rl_minutes 4 \
-        --variant "drgrpo=--length_normalization constant --no-use_std_normalization" --variant "lr1e-6=--learning_rate 1e-6"
+        --variant "seed_penalty=--repetition_penalty 1.1" --variant "grpo_mean=--length_normalization mean --use_std_normalization"
 
 Every stage is the project's own command line, so this file is also the recipe a
 user follows by hand (the README's "GSM8K with a pretrained model" lists the same
@@ -47,38 +47,50 @@ from common import REPO_ROOT
 
 from alignment.plot import read_jsonl
 
-# The RL settings both trainers get (why each, in bench/RESULTS.md "GSM8K, a real model").
+# The RL settings both trainers get (why each, and the runs behind them: bench/RESULTS.md "GSM8K, a real model").
 RL = {
-    "prompts_per_step": 16,
+    "prompts_per_step": 32,
     "group_size": 8,
-    "max_tokens": 512,  # the start model's answers are ~150-300 tokens; 512 leaves room and bounds the step's tail
+    "train_batch_size": 128,  # completions per optimizer step: two steps per rollout batch, the second one clipped
+    "max_tokens": 1024,  # the seed's; the start model answers in ~100
     "min_tokens": 4,
     "temperature": 1.0,
     "top_p": 1.0,
-    "repetition_penalty": 1.1,  # the seed's
-    "learning_rate": 3e-6,
+    "repetition_penalty": 1.0,  # the seed's 1.1 makes every update score tokens the policy did not sample
+    "learning_rate": 2e-6,
     "adam_betas": (0.9, 0.95),
+    "cliprange": 0.2,
+    "cliprange_high": 0.28,  # DAPO's clip-higher
+    "length_normalization": "constant",  # Dr. GRPO: each response's summed loss / max_tokens, no length bias
+    "std_normalization": False,  # Dr. GRPO: advantages are reward - group mean
 }
-TINY_RL = {**RL, "prompts_per_step": 2, "group_size": 4, "max_tokens": 24, "learning_rate": 1e-5}
+TINY_RL = {**RL, "prompts_per_step": 2, "group_size": 4, "train_batch_size": 4, "max_tokens": 24, "learning_rate": 1e-5}
 
 
 def train_rl_flags(rl: dict) -> list[str]:
     return [
-        "--rollout_batch_size", str(rl["prompts_per_step"]), "--group_size", str(rl["group_size"]),
+        "--rollout_batch_size", str(rl["prompts_per_step"]), "--group_size", str(rl["group_size"]), "--train_batch_size", str(rl["train_batch_size"]),
         "--sampling_max_tokens", str(rl["max_tokens"]), "--sampling_min_tokens", str(rl["min_tokens"]),
         "--sampling_temperature", str(rl["temperature"]), "--sampling_top_p", str(rl["top_p"]),
         "--repetition_penalty", str(rl["repetition_penalty"]), "--learning_rate", str(rl["learning_rate"]),
         "--adam_betas", *map(str, rl["adam_betas"]), "--kl_coef", "0", "--no-log_reference_kl",
+        "--cliprange", str(rl["cliprange"]), "--cliprange_high", str(rl["cliprange_high"]), "--length_normalization", rl["length_normalization"],
+        "--use_std_normalization" if rl["std_normalization"] else "--no-use_std_normalization",
     ]
 
 
 def trl_flags(rl: dict) -> list[str]:
     return [
-        "--prompts_per_step", str(rl["prompts_per_step"]), "--group_size", str(rl["group_size"]), "--max_tokens", str(rl["max_tokens"]),
-        "--min_tokens", str(rl["min_tokens"]), "--temperature", str(rl["temperature"]), "--top_p", str(rl["top_p"]),
+        "--prompts_per_step", str(rl["prompts_per_step"]), "--group_size", str(rl["group_size"]), "--train_batch", str(rl["train_batch_size"]),
+        "--max_tokens", str(rl["max_tokens"]), "--min_tokens", str(rl["min_tokens"]), "--temperature", str(rl["temperature"]), "--top_p", str(rl["top_p"]),
         "--repetition_penalty", str(rl["repetition_penalty"]), "--learning_rate", str(rl["learning_rate"]),
-        "--adam_beta2", str(rl["adam_betas"][1]),
+        "--adam_beta2", str(rl["adam_betas"][1]), "--epsilon", str(rl["cliprange"]), "--epsilon_high", str(rl["cliprange_high"]),
+        "--loss_type", {"mean": "grpo", "constant": "dr_grpo"}[rl["length_normalization"]], "--scale_rewards", "group" if rl["std_normalization"] else "none",
     ]
+
+
+def optimizer_steps_per_rollout(rl: dict) -> int:
+    return rl["prompts_per_step"] * rl["group_size"] // rl["train_batch_size"]
 
 
 class Lane:
@@ -123,7 +135,8 @@ class Lane:
 def evaluate(lane: Lane, stage: str, model: Path, args) -> float:
     """`alignment.evaluate` on the test split (greedy, r1_zero); returns the accuracy."""
     command = [sys.executable, "-m", "alignment.evaluate", "--model_path", str(model), "--output_dir", str(lane.out / stage),
-               "--data_dir", str(args.data_dir), "--device", args.device_name, "--max_tokens", str(args.eval_max_tokens)]
+               "--data_dir", str(args.data_dir), "--device", args.device_name, "--max_tokens", str(args.eval_max_tokens),
+               "--repetition_penalty", str(args.rl["repetition_penalty"])]  # as train_rl's evaluations, which share the rollouts' penalty
     if args.eval_num_examples:
         command += ["--num_examples", str(args.eval_num_examples)]
     command += ["--vllm_kv_cache_gb", "1"] if args.device == "cpu" else ["--vllm_enforce_eager"]  # one generate: no compile to amortise
@@ -138,10 +151,10 @@ def main():
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a few examples, steps and tokens: checks the script, measures nothing")
     parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True, help="run TRL beside ours (needs `trl` installed)")
-    parser.add_argument("--rl_steps", type=int, default=160)
-    parser.add_argument("--evaluate_freq", type=int, default=20)
-    parser.add_argument("--trl_steps", type=int, default=40)
-    parser.add_argument("--trl_save_every", type=int, default=20, help="TRL checkpoints evaluated by alignment.evaluate every N steps")
+    parser.add_argument("--rl_steps", type=int, default=60)
+    parser.add_argument("--evaluate_freq", type=int, default=10)
+    parser.add_argument("--trl_steps", type=int, default=60, help="TRL's rollout steps (generation rounds)")
+    parser.add_argument("--trl_save_every", type=int, default=20, help="TRL checkpoints evaluated by alignment.evaluate every N rollout steps")
     parser.add_argument("--trl_microbatch", type=int, default=8, help="TRL completions per forward/backward (32 ran out of memory on an H200 beside its engine)")
     parser.add_argument("--rl_deadline_minutes", type=float, default=None,
                         help="stop both RL runs this many minutes after the script started (what they logged by then is reported)")
@@ -160,7 +173,7 @@ def main():
     parser.add_argument("--trl_dir", default="trl", help="with --summarize_only: TRL's folder under <out> (its evaluations are eval_<trl_dir>_<step>)")
     args = parser.parse_args()
 
-    rl = TINY_RL if args.tiny else RL
+    rl = args.rl = TINY_RL if args.tiny else RL
     variants = [parse_variant(text) for text in args.variant]
     if not args.recipe and not variants:
         raise SystemExit("--no-recipe leaves no RL run: add at least one --variant NAME=FLAGS")
@@ -200,7 +213,7 @@ def main():
                    "--max_steps", str(2 if args.tiny else args.rl_steps), "--evaluate_freq", str(1 if args.tiny else args.evaluate_freq),
                    "--eval_max_tokens", str(args.eval_max_tokens), "--evaluate_at_start"]
         if args.tiny:
-            command += ["--eval_num_examples", str(args.eval_num_examples), "--vllm_kv_cache_gb", "1"]
+            command += ["--eval_num_examples", str(args.eval_num_examples), "--vllm_kv_cache_gb", "1", "--train_mini_batch_size", "4"]
         elif args.device == "cuda":
             command += ["--microbatch_tokens", "16384"]  # packed microbatches beside the colocated engine
         limit = time.time() + 60 * args.rl_minutes if args.rl_minutes else None
@@ -215,9 +228,10 @@ def main():
         peer.run("trl", [sys.executable, str(REPO_ROOT / "bench" / "bench_trl.py"), "--workload", "gsm8k", "--model", str(start),
                          "--data_dir", str(args.data_dir), "--out", str(args.out / "trl"), "--steps", str(steps), "--save_every", str(save_every),
                          "--microbatch", str(args.trl_microbatch), "--device", args.device, *trl_flags(rl), *(["--tiny"] if args.tiny else [])], deadline)
-        for step in range(save_every, steps + 1, save_every):
-            if (args.out / "trl" / f"checkpoint-{step}" / "config.json").is_file():  # not when stopped at the deadline before this save
-                evaluate(peer, f"eval_trl_{step}", args.out / "trl" / f"checkpoint-{step}", args)
+        for step in range(save_every, steps + 1, save_every):  # rollout steps; TRL names its checkpoints by optimizer step
+            checkpoint = args.out / "trl" / f"checkpoint-{step * optimizer_steps_per_rollout(rl)}"
+            if (checkpoint / "config.json").is_file():  # not when stopped at the deadline before this save
+                evaluate(peer, f"eval_trl_{step}", checkpoint, args)
 
     with ThreadPoolExecutor(2) as pool:
         ours_done = pool.submit(our_rl)
@@ -280,7 +294,16 @@ def read_ours(run_dir: Path) -> dict:
 
 def read_trl(out: Path) -> dict:
     """TRL's per-step seconds, rewards and timings (bench_trl.py --workload gsm8k writes them)."""
-    rows = read_jsonl(out / "steps.jsonl")
+    rows = []  # one row per rollout step: TRL logs each optimizer step, several per generation round
+    for row in read_jsonl(out / "steps.jsonl"):
+        step = row.get("rollout_step", row["step"])
+        if rows and rows[-1]["step"] == step:
+            last = rows[-1]
+            timers = {name: last["timers"].get(name, 0.0) + row["timers"].get(name, 0.0) for name in {*last["timers"], *row["timers"]}}
+            rows[-1] = {**row, "step": step, "step_seconds": last["step_seconds"] + row["step_seconds"], "timers": timers,
+                        "reward": last.get("reward") if last.get("reward") is not None else row.get("reward")}
+        else:
+            rows.append({**row, "step": step})
     later = rows[1:] or rows
     timers = sorted({name for row in later for name in row.get("timers", {})})
     return {"trl_median_seconds": {"step": _median([r["step_seconds"] for r in later]), **{name: _median([r["timers"].get(name) for r in later]) for name in timers}},

@@ -14,13 +14,17 @@ is a cheap stand-in (a random model never answers).
 
 GSM8K trains `--model` on the train split with this project's r1_zero reward
 (`grade_responses`, the same call train_rl makes) and the settings bench_gsm8k.py
-passes: prompts per step, group size, response cap (stop at `</answer>`, kept),
-temperature, repetition penalty, learning rate held constant, Adam betas, one
-optimizer step per generation round. TRL's defaults that would make it another
-algorithm are set to train_rl's: the loss averages each sequence's tokens then the
-batch ("grpo", not "dapo"), no importance-sampling correction of the vLLM/trainer
-gap (train_rl has none when synchronous), no gradient checkpointing. Checkpoints every
---save_every steps, for `alignment.evaluate`.
+passes: prompts per step, group size, completions per optimizer step (`--train_batch`;
+fewer than a round's makes several optimizer steps per generation round, TRL's
+`generation_batch_size`), response cap (stop at `</answer>`, kept), temperature,
+repetition penalty, learning rate held constant, Adam betas, clip range (`--epsilon`,
+`--epsilon_high`), the loss's aggregation (`--loss_type` grpo = train_rl's
+`--length_normalization mean`, dr_grpo = `constant` over the response cap) and the
+group std (`--scale_rewards` group / none = `--no-use_std_normalization`). TRL's
+defaults that would make it another algorithm are set to train_rl's: no importance-
+sampling correction of the vLLM/trainer gap (train_rl has none when synchronous), no
+gradient checkpointing. `--steps` and `--save_every` count generation rounds (train_rl's
+rollout steps); checkpoints, for `alignment.evaluate`, are named by TRL's optimizer step.
 
 Numerics are TRL's defaults in both: the policy loaded in fp32 (`model_init_kwargs`
 default) and trained under bf16 autocast, i.e. fp32 master weights, as train_rl does.
@@ -59,6 +63,11 @@ def main():
     gsm8k.add_argument("--repetition_penalty", type=float, default=1.1)
     gsm8k.add_argument("--learning_rate", type=float, default=3e-6)
     gsm8k.add_argument("--adam_beta2", type=float, default=0.95)
+    gsm8k.add_argument("--train_batch", type=int, default=None, help="completions per optimizer step (default: all of a generation round)")
+    gsm8k.add_argument("--epsilon", type=float, default=0.2, help="lower clip range (train_rl --cliprange)")
+    gsm8k.add_argument("--epsilon_high", type=float, default=None, help="upper clip range (train_rl --cliprange_high); default --epsilon")
+    gsm8k.add_argument("--loss_type", choices=["grpo", "dr_grpo"], default="grpo", help="grpo: per-sequence mean; dr_grpo: sum / max_tokens")
+    gsm8k.add_argument("--scale_rewards", choices=["group", "none"], default="group", help="divide by the group's reward std, or not")
     args = parser.parse_args()
 
     from datasets import Dataset
@@ -76,6 +85,7 @@ def main():
         settings = dict(per_device_train_batch_size=microbatch, gradient_accumulation_steps=8, num_generations=generations,
                         max_completion_length=completions, generation_kwargs={"min_tokens": completions} if use_vllm else None,
                         temperature=1.0, top_p=1.0, beta=0.0, learning_rate=1e-6, save_strategy="no")
+        optimizer_steps_per_round = 1
 
         def reward(completions, **_):
             return [float(len(text) % 7) / 7 for text in completions]  # varies, so advantages are non-zero
@@ -89,17 +99,21 @@ def main():
         train = Gsm8kDataset("train", args.data_dir)
         dataset = Dataset.from_dict({"prompt": train.prompts, "ground_truth": train.ground_truths})
         completions = args.prompts_per_step * args.group_size
-        microbatch = min(args.microbatch, completions)
-        if completions % microbatch:
-            parser.error(f"--microbatch {microbatch} must divide the {completions} completions per step")
+        train_batch = args.train_batch or completions
+        microbatch = min(args.microbatch, train_batch)
+        if completions % train_batch or train_batch % microbatch:
+            parser.error(f"--train_batch {train_batch} must divide the {completions} completions per round, and --microbatch {microbatch} it")
+        optimizer_steps_per_round = completions // train_batch
         stop = {"stop": ["</answer>"], "include_stop_str_in_output": True}  # train_rl's SamplingSettings
         settings = dict(
-            per_device_train_batch_size=microbatch, gradient_accumulation_steps=completions // microbatch, num_generations=args.group_size,
-            max_completion_length=args.max_tokens, generation_kwargs={**stop, "min_tokens": args.min_tokens} if use_vllm else None,
+            per_device_train_batch_size=microbatch, gradient_accumulation_steps=train_batch // microbatch, generation_batch_size=completions,
+            num_generations=args.group_size, max_completion_length=args.max_tokens,
+            generation_kwargs={**stop, "min_tokens": args.min_tokens} if use_vllm else None,
             temperature=args.temperature, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
             beta=0.0, learning_rate=args.learning_rate, lr_scheduler_type="constant", adam_beta2=args.adam_beta2,
-            loss_type="grpo", scale_rewards="group", vllm_importance_sampling_correction=False,
-            save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500, save_only_model=True,
+            epsilon=args.epsilon, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
+            loss_type=args.loss_type, scale_rewards=args.scale_rewards, vllm_importance_sampling_correction=False,
+            save_strategy="steps" if args.save_every else "no", save_steps=(args.save_every or 500) * optimizer_steps_per_round, save_only_model=True,
         )
 
         def reward(completions, ground_truth, **_):
@@ -108,7 +122,7 @@ def main():
     config = GRPOConfig(
         output_dir=str(Path(args.out) if args.workload == "gsm8k" else REPO_ROOT / "runs" / "bench" / "trl_work"),
         bf16=use_vllm, use_cpu=args.device == "cpu", use_vllm=use_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
-        gradient_checkpointing=False, max_steps=args.steps, logging_steps=1, report_to="none", seed=0, **settings,
+        gradient_checkpointing=False, max_steps=args.steps * optimizer_steps_per_round, logging_steps=1, report_to="none", seed=0, **settings,
     )
 
     timers = defaultdict(float)  # TRL's own profiling timers, summed per optimizer step
@@ -143,7 +157,7 @@ def main():
             import torch
 
             now = time.perf_counter()
-            row = {"step": state.global_step, "step_seconds": now - self.last, "elapsed_seconds": now - self.began,
+            row = {"step": state.global_step, "rollout_step": -(-state.global_step // optimizer_steps_per_round), "step_seconds": now - self.last, "elapsed_seconds": now - self.began,
                    "generate_seconds": timers.get("vLLM.generate", timers.get("transformers.generate")), "sync_seconds": timers.get("sync_weights"),
                    "timers": dict(timers), "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
             self.last = now

@@ -106,14 +106,18 @@ def test_gsm8k_recipe_script_runs_sft_then_the_recipe_and_a_variant_from_it(tmp_
 
     task = make_tiny_task(tmp_path / "task", num_train=48, num_test=8, seed=2)
     out = run_bench("bench_gsm8k.py", tmp_path / "out", "--model", str(task.sft), "--device", "cpu", "--tiny", "--no-trl", "--no-base_eval",
-                    "--data_dir", str(task.data), "--variant", "drgrpo=--length_normalization constant --no-use_std_normalization")
+                    "--data_dir", str(task.data), "--variant", "grpo_mean=--length_normalization mean --use_std_normalization")
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["rl_start"] == "sft" and "eval_base" not in summary and summary["eval_sft"]["num_examples"] == 8
     assert [e["step"] for e in summary["ours_evals"]] == [0, 1, 2] and summary["ours_evals"][0]["train_minutes"] == 0
-    assert [e["step"] for e in summary["variants"]["drgrpo"]["ours_evals"]] == [0, 1, 2]
-    assert "drgrpo step    2: accuracy" in out and (tmp_path / "out" / "gsm8k_curves.png").stat().st_size > 0
-    assert "--length_normalization constant --no-use_std_normalization" in out and "--run_name drgrpo" in out
-    assert "Traceback" not in (tmp_path / "out" / "drgrpo.log").read_text()
+    assert [e["step"] for e in summary["variants"]["grpo_mean"]["ours_evals"]] == [0, 1, 2]
+    assert "grpo_mean step    2: accuracy" in out and (tmp_path / "out" / "gsm8k_curves.png").stat().st_size > 0
+    assert "--length_normalization mean --use_std_normalization" in out and "--run_name grpo_mean" in out
+    assert "Traceback" not in (tmp_path / "out" / "grpo_mean.log").read_text()
+    # the recipe: Dr. GRPO's loss, two optimizer steps per rollout batch, no repetition penalty, clip-higher
+    recipe = (tmp_path / "out" / "rl.log").read_text()
+    assert summary["rl_settings"]["length_normalization"] == "constant" and "--train_batch_size 4" in out and "--cliprange_high 0.28" in out
+    assert "Traceback" not in recipe
 
 
 def test_grader_bench_quick_run_measures_every_section(tmp_path):
