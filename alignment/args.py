@@ -7,14 +7,37 @@ command fails in a second with one line naming the flag, before anything loads.
 """
 
 import argparse
+import ast
 import json
 import math
 from pathlib import Path
 
 from alignment.errors import UserError
 
-LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo", "cispo")
-RATIO_LOSSES = ("grpo_clip", "gspo", "cispo")  # alignment.grpo.RATIO_LOSSES (not imported: args.py loads no torch)
+
+def read_loss_registry(path: Path = Path(__file__).with_name("grpo.py")) -> tuple[dict[str, dict], tuple[str, ...]]:
+    """grpo.py's `@register_loss(...)` registrations and its AGGREGATIONS, read from the file's text.
+
+    Importing grpo would import torch, and `--help` should answer in a fraction of a second;
+    the registrations are literals, so their text is what grpo.LOSSES holds (a test checks it).
+    Returns ({name: {"description", "ratio", "signal", "aggregations"}}, aggregations)."""
+    tree = ast.parse(path.read_text(), str(path))
+    aggregations = next(ast.literal_eval(node.value) for node in tree.body
+                        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["AGGREGATIONS"])
+    losses = {}
+    for node in tree.body:
+        for decorator in getattr(node, "decorator_list", []):
+            if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", None) == "register_loss":
+                name, description = (ast.literal_eval(argument) for argument in decorator.args)
+                options = {"ratio": False, "signal": "advantages", "aggregations": aggregations}
+                options.update({keyword.arg: ast.literal_eval(keyword.value) for keyword in decorator.keywords})
+                losses[name] = {"description": description, **options, "aggregations": tuple(options["aggregations"])}
+    return losses, aggregations
+
+
+LOSSES, AGGREGATIONS = read_loss_registry()
+RATIO_LOSSES = tuple(name for name, loss in LOSSES.items() if loss["ratio"])  # they compare the policy with an old one
+_RATIO_NAMES = ", ".join(RATIO_LOSSES)  # for the help texts
 DEFAULT_MODEL = "Qwen/Qwen2.5-Math-1.5B"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -162,13 +185,13 @@ def build_rl_parser() -> argparse.ArgumentParser:
                               "trains, so a batch may come from weights N updates old (1 = one step off policy); needs --rollout_sync_every 1 and one process")
     rollout.add_argument("--tis_cap", type=_positive_float, default=2.0,
                          help="with --rollout_staleness: per-token importance weight min(exp(trainer - sampler log-prob), cap) on the policy gradient "
-                              "(truncated importance sampling); grpo_clip, gspo and cispo take their ratio against the sampler's log-probs instead; "
+                              f"(truncated importance sampling); the ratio losses ({_RATIO_NAMES}) take their ratio against the sampler's log-probs instead; "
                               "the c of --mismatch_correction's [1/c, c]")
     rollout.add_argument("--mismatch_correction", choices=["tis", "token_mask", "sequence_tis", "sequence_mask"], default="tis",
                          help="with --rollout_staleness, how the sampler/trainer ratio rho corrects the loss (Yao et al. 2025; verl rollout_corr): "
                               "tis = min(rho, --tis_cap) per token (default, today's); token_mask = rho per token, 0 outside [1/c, c] (IcePop); "
                               "sequence_tis / sequence_mask = the same with the geometric mean of the response's token ratios. The ratio losses "
-                              "(grpo_clip, gspo, cispo) have rho in their ratio: they take the masks only")
+                              f"({_RATIO_NAMES}) have rho in their ratio: they take the masks only")
     rollout.add_argument("--rollout_tokens", choices=["ids", "text"], default="ids", help="ids: train on the token ids the sampler produced; text: re-tokenise prompt + response text as the seed did (can differ from what was sampled)")
     rollout.add_argument("--group_size", type=_positive_int, default=8, help="responses sampled per prompt; no_baseline forces 1 (seed)")
     rollout.add_argument("--rollout_batch_size", type=_positive_int, default=32, help="prompts per rollout batch (the DataLoader batch size); rollouts = this x group_size")
@@ -183,18 +206,19 @@ def build_rl_parser() -> argparse.ArgumentParser:
 
 def _add_rl_loss(parser) -> None:
     loss = parser.add_argument_group("loss and optimisation")
-    loss.add_argument("--loss_type", choices=LOSS_TYPES, default="grpo_clip",
-                      help="no_baseline: -reward*logp; reinforce_with_baseline: -advantage*logp; grpo_clip: PPO-style clipped ratio (seed's three); "
-                           "gspo: one length-normalised ratio per response, clipped per sequence (Zheng et al. 2025, GSPO; they clip at 3e-4 / 4e-4); "
-                           "cispo: -sg(clip(ratio)) * A * logp, every token keeps its gradient (MiniMax-M1, 2025)")
+    loss.add_argument("--loss_type", choices=tuple(LOSSES), default="grpo_clip",
+                      help="; ".join(f"{name}: {loss['description']}" for name, loss in LOSSES.items()) + " (alignment/grpo.py registers each)")
     loss.add_argument("--use_std_normalization", action=argparse.BooleanOptionalAction, default=True, help="divide group-centred rewards by the group std (GRPO); --no-use_std_normalization is Dr. GRPO's choice")
     loss.add_argument("--advantage_eps", type=_non_negative_float, default=1e-6, help="added to the group std before dividing")
-    loss.add_argument("--cliprange", type=_positive_float, default=0.2, help="grpo_clip, gspo, cispo: ratio clipped to [1-cliprange, 1+cliprange]")
-    loss.add_argument("--cliprange_high", type=_positive_float, default=None, help="upper clip of grpo_clip, gspo, cispo: 1+cliprange_high (DAPO clip-higher); default = --cliprange")
-    loss.add_argument("--old_policy", choices=["rollout", "reference"], default="rollout", help="log-probs grpo_clip, gspo and cispo compare against: rollout = the policy that sampled the batch (PPO); reference = the frozen start checkpoint (seed)")
+    loss.add_argument("--cliprange", type=_positive_float, default=0.2, help=f"{_RATIO_NAMES}: ratio clipped to [1-cliprange, 1+cliprange]")
+    loss.add_argument("--cliprange_high", type=_positive_float, default=None, help=f"upper clip of {_RATIO_NAMES}: 1+cliprange_high (DAPO clip-higher); default = --cliprange")
+    loss.add_argument("--old_policy", choices=["rollout", "reference"], default="rollout", help=f"log-probs {_RATIO_NAMES} compare against: rollout = the policy that sampled the batch (PPO); reference = the frozen start checkpoint (seed)")
     loss.add_argument("--kl_coef", type=_non_negative_float, default=0.0, help="weight of the KL penalty to the reference model (--kl_estimator, --kl_in; GRPO paper uses 0.04; seed: none); KL is logged either way")
     loss.add_argument("--log_reference_kl", action=argparse.BooleanOptionalAction, default=True, help="run the frozen reference every step to log train/kl_ref even when nothing else needs it; --no-log_reference_kl skips loading the reference at all (faster, less memory)")
-    loss.add_argument("--length_normalization", choices=["mean", "constant"], default="mean", help="mean: per-sequence mean over response tokens (seed, GRPO); constant: sum / --length_normalization_constant (Dr. GRPO, no length bias)")
+    loss.add_argument("--length_normalization", choices=AGGREGATIONS, default="mean",
+                      help="how token losses are aggregated: mean: per-sequence mean over response tokens, then over sequences (seed, GRPO); "
+                           "constant: each sequence's sum / --length_normalization_constant (Dr. GRPO, no length bias); "
+                           "token_mean: the optimizer step's summed token loss / its response tokens (DAPO)")
     loss.add_argument("--length_normalization_constant", type=_positive_float, default=None, help="divisor for --length_normalization constant; default --sampling_max_tokens")
     loss.add_argument("--train_mini_batch_size", type=_positive_int, default=8, help="sequences per forward/backward microbatch; grad_acc_steps = train_batch_size / this (seed)")
     loss.add_argument("--microbatch_tokens", type=_non_negative_int, default=0,
@@ -276,8 +300,9 @@ def check_pass_at_k(args, prefix: str) -> None:
 
 def _check_objective_variants(args) -> None:
     """The combinations of the objective-variant flags that cannot work, each one line naming a flag."""
-    if args.loss_type == "gspo" and args.length_normalization != "mean":
-        raise UserError("--loss_type gspo averages one ratio per response over its tokens: it needs --length_normalization mean")
+    if args.length_normalization not in LOSSES[args.loss_type]["aggregations"]:
+        raise UserError(f"--loss_type {args.loss_type} is defined for --length_normalization {' or '.join(LOSSES[args.loss_type]['aggregations'])} "
+                        f"only, not {args.length_normalization}")
     if args.dynamic_sampling and args.rollout_staleness:
         raise UserError(f"--dynamic_sampling samples extra rounds in step with the policy: it does not combine with --rollout_staleness {args.rollout_staleness}")
     if args.dynamic_sampling and args.loss_type == "no_baseline":
@@ -366,7 +391,7 @@ def validate_rl_args(args) -> None:
     if args.eval_min_tokens > args.eval_max_tokens:
         raise UserError(f"--eval_min_tokens {args.eval_min_tokens} exceeds --eval_max_tokens {args.eval_max_tokens}")
     if args.epochs_per_rollout_batch > 1 and args.loss_type not in RATIO_LOSSES:
-        print(f"note: --epochs_per_rollout_batch {args.epochs_per_rollout_batch} with {args.loss_type} reuses stale rollouts without importance correction; grpo_clip, gspo and cispo correct for it")
+        print(f"note: --epochs_per_rollout_batch {args.epochs_per_rollout_batch} with {args.loss_type} reuses stale rollouts without importance correction; {_RATIO_NAMES} correct for it")
     if args.rollout_staleness and args.rollout_sync_every != 1:
         raise UserError(f"--rollout_staleness {args.rollout_staleness} sends the weights after every update: it needs --rollout_sync_every 1 (got {args.rollout_sync_every})")
     if args.pack_sequences and (args.logprob_chunk_size == 0 or args.policy_parallel == "fsdp"):

@@ -1,12 +1,15 @@
-"""The policy-gradient math: group-normalised advantages, the five losses, masking.
+"""The policy-gradient math: group-normalised advantages, the losses, masking.
 
 Pure tensor-in, tensor-out functions: no model, no vLLM, no I/O. Names, argument
 orders and return types follow the CS336 assignment-5 convention, so notebooks and
-tests written against it work here. Options beyond the seed are keyword arguments
-whose defaults reproduce it exactly:
+tests written against it work here. Every loss `--loss_type` can name is registered
+in `LOSSES` by `@register_loss` (the registrations follow the loss functions): a new
+loss is one decorated function in this file, nothing else. Options beyond the seed
+are keyword arguments whose defaults reproduce it exactly:
 
-- `length_normalization="constant"`: Dr. GRPO's sum / constant instead of the
-  per-sequence mean, which removes the bias towards long wrong answers;
+- `length_normalization` (`AGGREGATIONS`): "constant" is Dr. GRPO's sum / constant
+  instead of the per-sequence mean, which removes the bias towards long wrong
+  answers; "token_mean" is DAPO's sum over the optimizer step's tokens / their count;
 - `cliprange_high`: DAPO's asymmetric "clip-higher";
 - `kl_coef` with `ref_log_probs`: the GRPO paper's KL penalty, k3 estimator
   (`kl_estimator` k1 / k2: Schulman's others); `sequence_kl` puts it in the reward;
@@ -19,13 +22,14 @@ whose defaults reproduce it exactly:
 Shapes: B sequences, T token positions, N = n_prompts * group_size rollouts.
 """
 
-from typing import Callable, Literal
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-LossType = Literal["no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo", "cispo"]
-RATIO_LOSSES = ("grpo_clip", "gspo", "cispo")  # the losses that take an importance ratio against an old policy
 MISMATCH_CORRECTIONS = ("tis", "token_mask", "sequence_tis", "sequence_mask")
+# how a microbatch's (B, T) token losses become one number (grpo_microbatch_train_step; --length_normalization)
+AGGREGATIONS = ("mean", "constant", "token_mean")
 
 
 def normalize_group_rewards(
@@ -275,9 +279,92 @@ def mismatch_weights(
     return torch.where(inside, ratio if reweight else torch.ones_like(ratio), torch.zeros_like(ratio))
 
 
+@dataclass(frozen=True)
+class LossInputs:
+    """What every registered loss is called with, for B sequences of T positions.
+
+    policy_log_probs (B, T), with gradient; signal (B, 1): the advantages, or the raw
+    rewards for a loss registered with signal="raw_rewards"; response_mask (B, T) (None
+    where a caller has none); old_log_probs (B, T) and the clip range for a loss
+    registered with ratio=True (None otherwise).
+    """
+
+    policy_log_probs: torch.Tensor
+    signal: torch.Tensor
+    response_mask: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None
+    cliprange: float | None = None
+    cliprange_high: float | None = None
+
+
+@dataclass(frozen=True)
+class Loss:
+    """One `--loss_type`: `compute(inputs) -> (per-token loss (B, T), metadata)`, and what it needs."""
+
+    compute: Callable[[LossInputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    description: str
+    ratio: bool
+    signal: str
+    aggregations: tuple[str, ...]
+
+
+LOSSES: dict[str, Loss] = {}
+
+
+def register_loss(name: str, description: str, *, ratio: bool = False, signal: str = "advantages", aggregations: tuple[str, ...] = AGGREGATIONS):
+    """Decorator: the function `loss(inputs: LossInputs) -> (loss (B, T), metadata)` becomes `--loss_type name`.
+
+    - `ratio`: the loss compares the policy with `old_log_probs` (the policy that sampled the
+      batch, the frozen reference, or the sampler's own) and gets the clip range; train_rl
+      then scores the pre-update policy when a batch takes several optimizer steps;
+    - `signal`: "advantages" (group-normalised) or "raw_rewards";
+    - `aggregations`: the `length_normalization` modes the loss is defined for.
+    A "clipped" (B, T) bool in the metadata becomes train/clip_fraction. Write the arguments
+    as literals: args.py reads them from this file's text, so that `--help` imports no torch.
+    """
+    if name in LOSSES:
+        raise ValueError(f"loss_type {name!r} is registered twice")
+    if signal not in ("advantages", "raw_rewards") or not set(aggregations) <= set(AGGREGATIONS):
+        raise ValueError(f"loss_type {name!r}: signal must be advantages or raw_rewards, aggregations some of {AGGREGATIONS}")
+
+    def add(compute):
+        LOSSES[name] = Loss(compute, description, ratio, signal, tuple(aggregations))
+        return compute
+
+    return add
+
+
+@register_loss("no_baseline", "-reward * logp, REINFORCE on raw rewards in groups of one (seed)", signal="raw_rewards")
+def _no_baseline(inputs: LossInputs):
+    return compute_naive_policy_gradient_loss(inputs.signal, inputs.policy_log_probs), {}
+
+
+@register_loss("reinforce_with_baseline", "-advantage * logp, the group mean as the baseline (seed)")
+def _reinforce_with_baseline(inputs: LossInputs):
+    return compute_naive_policy_gradient_loss(inputs.signal, inputs.policy_log_probs), {}
+
+
+@register_loss("grpo_clip", "PPO-style clipped ratio against the old policy (seed)", ratio=True)
+def _grpo_clip(inputs: LossInputs):
+    return compute_grpo_clip_loss(inputs.signal, inputs.policy_log_probs, inputs.old_log_probs, inputs.cliprange, inputs.cliprange_high)
+
+
+@register_loss("gspo", "one length-normalised ratio per response, clipped per sequence (Zheng et al. 2025, GSPO; they clip at 3e-4 / 4e-4)",
+               ratio=True, aggregations=("mean",))
+def _gspo(inputs: LossInputs):
+    if inputs.response_mask is None:
+        raise ValueError("loss_type 'gspo' needs response_mask")
+    return compute_gspo_loss(inputs.signal, inputs.policy_log_probs, inputs.old_log_probs, inputs.response_mask, inputs.cliprange, inputs.cliprange_high)
+
+
+@register_loss("cispo", "-sg(clip(ratio)) * A * logp, every token keeps its gradient (MiniMax-M1, 2025)", ratio=True)
+def _cispo(inputs: LossInputs):
+    return compute_cispo_loss(inputs.signal, inputs.policy_log_probs, inputs.old_log_probs, inputs.cliprange, inputs.cliprange_high)
+
+
 def compute_policy_gradient_loss(
     policy_log_probs: torch.Tensor,
-    loss_type: LossType,
+    loss_type: str,
     raw_rewards: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
     old_log_probs: torch.Tensor | None = None,
@@ -292,11 +379,11 @@ def compute_policy_gradient_loss(
     entropy_coef: float = 0.0,
     token_entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Dispatch to the chosen loss; returns per-token loss (B, T) and metadata.
+    """The registered loss `loss_type` (LOSSES), plus the terms every loss shares; per-token loss (B, T) and metadata.
 
-    no_baseline uses `raw_rewards` (B, 1); reinforce_with_baseline uses
-    `advantages` (B, 1); grpo_clip, gspo and cispo use `advantages`, `old_log_probs`
-    (B, T) and `cliprange` (gspo also `response_mask`). `importance_weights` (B, T),
+    The loss gets `raw_rewards` or `advantages` (B, 1), as it was registered (no_baseline:
+    raw rewards); a ratio loss (grpo_clip, gspo, cispo) also `old_log_probs` (B, T) and
+    `cliprange` (gspo also `response_mask`). `importance_weights` (B, T),
     when given, multiply the policy-gradient term per token (truncated importance
     sampling of rollouts drawn by an older policy; no gradient flows through them).
     With `kl_coef > 0`, `kl_coef * KL(policy, reference)` is added per token
@@ -305,28 +392,17 @@ def compute_policy_gradient_loss(
     `entropy_coef * token_entropy` (B, T) is subtracted per token: an entropy bonus
     (TRL, verl, OpenRLHF), aggregated like the rest of the loss.
     """
-    metadata: dict[str, torch.Tensor] = {}
-    if loss_type == "no_baseline":
-        if raw_rewards is None:
-            raise ValueError("loss_type 'no_baseline' needs raw_rewards")
-        loss = compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs)
-    elif loss_type == "reinforce_with_baseline":
-        if advantages is None:
-            raise ValueError("loss_type 'reinforce_with_baseline' needs advantages")
-        loss = compute_naive_policy_gradient_loss(advantages, policy_log_probs)
-    elif loss_type in RATIO_LOSSES:
-        needed = (("advantages", advantages), ("old_log_probs", old_log_probs), ("cliprange", cliprange))
-        missing = [name for name, value in needed + ((("response_mask", response_mask),) if loss_type == "gspo" else ()) if value is None]
-        if missing:
-            raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
-        if loss_type == "grpo_clip":
-            loss, metadata = compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange, cliprange_high)
-        elif loss_type == "gspo":
-            loss, metadata = compute_gspo_loss(advantages, policy_log_probs, old_log_probs, response_mask, cliprange, cliprange_high)
-        else:
-            loss, metadata = compute_cispo_loss(advantages, policy_log_probs, old_log_probs, cliprange, cliprange_high)
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}; use no_baseline, reinforce_with_baseline, grpo_clip, gspo or cispo")
+    spec = LOSSES.get(loss_type)
+    if spec is None:
+        raise ValueError(f"unknown loss_type {loss_type!r}; use {', '.join(LOSSES)}")
+    signal = raw_rewards if spec.signal == "raw_rewards" else advantages
+    needed = ((spec.signal, signal),) + ((("old_log_probs", old_log_probs), ("cliprange", cliprange)) if spec.ratio else ())
+    missing = [name for name, value in needed if value is None]
+    if missing:
+        raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
+    inputs = LossInputs(policy_log_probs, signal, response_mask, old_log_probs if spec.ratio else None, cliprange, cliprange_high)
+    loss, metadata = spec.compute(inputs)
+    metadata = dict(metadata)  # the KL and entropy terms add to it
     if importance_weights is not None:
         loss = loss * importance_weights.detach()
     if kl_coef and ref_log_probs is None:
@@ -364,13 +440,13 @@ def grpo_microbatch_train_step(
     policy_log_probs: torch.Tensor,
     response_mask: torch.Tensor,
     gradient_accumulation_steps: int,
-    loss_type: LossType,
+    loss_type: str,
     raw_rewards: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
     old_log_probs: torch.Tensor | None = None,
     cliprange: float | None = None,
     *,
-    length_normalization: Literal["mean", "constant"] = "mean",
+    length_normalization: str = "mean",
     normalize_constant: float | None = None,
     cliprange_high: float | None = None,
     kl_coef: float = 0.0,
@@ -382,9 +458,12 @@ def grpo_microbatch_train_step(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one microbatch, scaled for gradient accumulation, then `backward()`.
 
-    per-token loss (B, T) -> per-sequence masked mean over response tokens
-    (`length_normalization="mean"`, the seed) or masked sum / `normalize_constant`
-    ("constant", Dr. GRPO) -> mean over the batch -> / gradient_accumulation_steps.
+    per-token loss (B, T) -> per sequence: the masked mean over its response tokens
+    (`length_normalization="mean"`, the seed), or the masked sum / `normalize_constant`
+    ("constant", Dr. GRPO: a fixed constant such as the response cap; "token_mean",
+    DAPO: the caller passes the optimizer step's response tokens / its sequences, so
+    that the step's loss is its summed token loss over its token count however it is
+    cut into microbatches) -> mean over the batch -> / gradient_accumulation_steps.
 
     A sequence with no response token contributes 0 rather than 0/0 = NaN.
 
@@ -398,15 +477,17 @@ def grpo_microbatch_train_step(
         cliprange_high=cliprange_high, kl_coef=kl_coef, ref_log_probs=ref_log_probs, importance_weights=importance_weights,
         kl_estimator=kl_estimator, response_mask=response_mask, entropy_coef=entropy_coef, token_entropy=token_entropy,
     )
+    if length_normalization not in AGGREGATIONS:
+        raise ValueError(f"unknown length_normalization {length_normalization!r}; use {', '.join(AGGREGATIONS)}")
+    if length_normalization not in LOSSES[loss_type].aggregations:
+        raise ValueError(f"loss_type {loss_type!r} is defined for length_normalization {' or '.join(LOSSES[loss_type].aggregations)} only")
     mask = response_mask.to(per_token.dtype)
     if length_normalization == "mean":
         per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-    elif length_normalization == "constant":
-        if normalize_constant is None:
-            raise ValueError("length_normalization 'constant' needs normalize_constant")
-        per_sequence = masked_normalize(per_token, mask, dim=-1, normalize_constant=normalize_constant)
     else:
-        raise ValueError(f"unknown length_normalization {length_normalization!r}; use mean or constant")
+        if normalize_constant is None:
+            raise ValueError(f"length_normalization {length_normalization!r} needs normalize_constant")
+        per_sequence = masked_normalize(per_token, mask, dim=-1, normalize_constant=normalize_constant)
     unscaled = per_sequence.mean()
     loss = unscaled / gradient_accumulation_steps
     loss.backward()

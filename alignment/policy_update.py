@@ -18,7 +18,7 @@ from alignment.devices import place_model
 from alignment.errors import UserError
 from alignment.flops import update_flops
 from alignment.fused_logprobs import use_compiled_chunk_math
-from alignment.grpo import RATIO_LOSSES, grpo_microbatch_train_step, mismatch_weights
+from alignment.grpo import LOSSES, grpo_microbatch_train_step, mismatch_weights
 from alignment.precision import autocast
 from alignment.rollout import load_hf_model
 from alignment.sft_helpers import chunks, get_response_log_probs, microbatches
@@ -114,7 +114,7 @@ def old_policy_log_probs(settings: UpdateSettings, log_probs, ref_log_probs=None
     - one optimizer step on fresh rollouts (the default): the policy's own, detached, since
       the policy that sampled the batch is this one (ratio 1, no extra forward).
     """
-    if settings.loss_type not in RATIO_LOSSES:
+    if not LOSSES[settings.loss_type].ratio:
         return None
     if settings.old_policy == "reference":
         return ref_log_probs
@@ -129,7 +129,7 @@ def needs_old_policy_pass(settings: UpdateSettings, total_rollouts: int) -> bool
     """Whether a ratio loss (grpo_clip, gspo, cispo) needs the pre-update policy scored before the
     update: more than one optimizer step on the batch, the ratio against the sampling policy, in sync."""
     single_step = settings.epochs_per_rollout_batch == 1 and settings.train_batch_size == total_rollouts
-    return settings.loss_type in RATIO_LOSSES and settings.old_policy == "rollout" and not single_step and not settings.one_step_off
+    return LOSSES[settings.loss_type].ratio and settings.old_policy == "rollout" and not single_step and not settings.one_step_off
 
 
 @torch.no_grad()
@@ -207,10 +207,12 @@ def update_policy(model, optimizer, scheduler, batch, settings: UpdateSettings, 
             finite = torch.ones((), dtype=torch.bool, device=main_device)
             step_microbatches = microbatches(step_rows, lengths, settings.train_mini_batch_size, settings.microbatch_tokens, settings.pack_sequences)
             first_step = epoch == 0 and totals["optimizer_steps"] + totals["skipped_steps"] == 0
+            constant = normalize_constant(settings, batch, step_rows, ranks)
             for index, rows in enumerate(step_microbatches):
                 if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients once per step
                     model.set_requires_gradient_sync(index == len(step_microbatches) - 1)
-                finite &= _train_microbatch(model, batch, rows, len(step_rows), settings, main_device, compute_dtype, behaviour, first_step, sums, totals)
+                finite &= _train_microbatch(model, batch, rows, len(step_rows), settings, main_device, compute_dtype, behaviour, first_step, sums, totals,
+                                            constant)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
                 grad_norm = grad_norm.full_tensor()
@@ -233,6 +235,21 @@ def update_policy(model, optimizer, scheduler, batch, settings: UpdateSettings, 
     return totals
 
 
+def normalize_constant(settings: UpdateSettings, batch, step_rows, ranks) -> float:
+    """What each response's summed token loss is divided by (`grpo_microbatch_train_step`).
+
+    constant: --length_normalization_constant; token_mean (DAPO): the optimizer step's
+    response tokens in the loss over its sequences, averaged over the FSDP ranks (each
+    holds an equal share of the step), so that the step's loss is its summed token
+    loss over its token count. Unused by mean."""
+    if settings.length_normalization != "token_mean":
+        return settings.length_normalization_constant
+    in_loss = batch["response_mask"][step_rows]
+    if "in_loss" in batch:  # --overlong mask: a truncated response's tokens are not in the loss
+        in_loss = in_loss & batch["in_loss"][step_rows, None]
+    return max(ranks.mean(float(in_loss.sum())), 1.0) / len(step_rows)
+
+
 def check_weights_finite(model, optimizer, ranks, step: int) -> None:
     """After an optimizer step: every weight is finite, or the run stops here, before anything saves them.
 
@@ -249,9 +266,11 @@ def check_weights_finite(model, optimizer, ranks, step: int) -> None:
                         "and checkpoint are as they were; lower --learning_rate / --weight_decay and start again or --resume")
 
 
-def _train_microbatch(model, batch, rows, step_size, settings: UpdateSettings, main_device, compute_dtype, behaviour, first_step, sums, totals):
+def _train_microbatch(model, batch, rows, step_size, settings: UpdateSettings, main_device, compute_dtype, behaviour, first_step, sums, totals,
+                      constant):
     """Forward, loss and backward of one microbatch of `rows` (out of `step_size` in its optimizer step).
 
+    `constant`: the step's `normalize_constant` (--length_normalization constant / token_mean).
     Adds its metrics to `sums` (device tensors) and `totals`; returns whether its loss was finite.
     `behaviour`: one step off, the sampler's log-probs correct the loss (--mismatch_correction).
     """
@@ -287,7 +306,7 @@ def _train_microbatch(model, batch, rows, step_size, settings: UpdateSettings, m
         raw_rewards=batch["raw_rewards"][rows, None].to(main_device),
         advantages=batch["advantages"][rows, None].to(main_device),
         old_log_probs=old, cliprange=settings.cliprange, cliprange_high=settings.cliprange_high,
-        length_normalization=settings.length_normalization, normalize_constant=settings.length_normalization_constant,
+        length_normalization=settings.length_normalization, normalize_constant=constant,
         kl_coef=settings.kl_coef if settings.kl_in == "loss" else 0.0, ref_log_probs=ref, importance_weights=importance,
         kl_estimator=settings.kl_estimator, entropy_coef=settings.entropy_coef, token_entropy=entropy if settings.entropy_coef else None,
     )

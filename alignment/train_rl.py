@@ -37,7 +37,7 @@ Where the algorithm departs from the seed, each one flag away from the seed's be
   --eval_engine fresh saves to --tmp_checkpoint_path and starts a new vLLM
   engine on --eval_device, as the seed did;
 - additions, off by default unless said: --kl_coef (k3 KL to the reference; mean KL
-  is logged either way), --length_normalization constant (Dr. GRPO),
+  is logged either way), --length_normalization constant (Dr. GRPO) / token_mean (DAPO),
   --cliprange_high (DAPO), --epochs_per_rollout_batch / --train_batch_size,
   --no-use_std_normalization (Dr. GRPO), batches whose groups all tie are skipped
   (--no-skip_zero_signal runs them, as the seed did);
@@ -74,7 +74,7 @@ from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
 from alignment.errors import RunStopped, UserError, run_cli
 from alignment.evaluate import add_pass_at_k, evaluate_checkpoint, evaluate_in_subprocess, evaluate_math, summarize_samples, write_json, write_jsonl
 from alignment.flops import policy_peak_flops
-from alignment.grpo import advantages_from_scores, normalize_group_rewards, overlong_reward, sequence_kl
+from alignment.grpo import LOSSES, advantages_from_scores, normalize_group_rewards, overlong_reward, sequence_kl
 from alignment.interrupts import StopOnSignal, resume_command
 from alignment.optim import build_optimizer, build_scheduler, set_peak_learning_rate
 from alignment.policy_update import UpdateSettings, empty_totals, load_reference, needs_old_policy_pass, prepare_policy, score_with, sequence_lengths, update_policy
@@ -285,7 +285,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         # 4. log-probs fixed during the update: the frozen reference, and the pre-update policy when a
         # ratio loss takes several optimizer steps. A batch whose groups all tie has zero advantage:
         # its gradient is zero (without KL), so skip the work and keep Adam's momentum still.
-        signal = batch["raw_rewards"] if args.loss_type == "no_baseline" else batch["advantages"]
+        signal = batch[LOSSES[args.loss_type].signal]  # raw_rewards or advantages, as the loss was registered
         has_signal = ranks.any_true(args.kl_coef > 0 or not args.skip_zero_signal or bool(signal.abs().max() > 0))
         with timed(timings, "logprobs"):
             if has_signal and reference_model is not None:

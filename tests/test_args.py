@@ -47,7 +47,7 @@ def _fails_with(main, argv, capsys, pattern):
         (["--pack_sequences", "--gradient_checkpointing"], "--pack_sequences does not combine with --gradient_checkpointing"),
         (["--microbatch_tokens", "4096", "--policy_parallel", "fsdp"], "--microbatch_tokens 4096 gives each FSDP rank its own microbatch count"),
         # the objective flags (GSPO, DAPO, entropy, KL, mismatch corrections, pass@k)
-        (["--loss_type", "gspo", "--length_normalization", "constant"], "--loss_type gspo averages one ratio per response"),
+        (["--loss_type", "gspo", "--length_normalization", "constant"], "--loss_type gspo is defined for --length_normalization mean only, not constant"),
         (["--dynamic_sampling", "--rollout_staleness", "1"], "--dynamic_sampling samples extra rounds in step"),
         (["--dynamic_sampling", "--loss_type", "no_baseline"], "--dynamic_sampling drops groups"),
         (["--max_sampling_rounds", "0"], "--max_sampling_rounds: must be a positive integer"),
