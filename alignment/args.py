@@ -182,7 +182,8 @@ def build_rl_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--rollout_sync_every", type=_non_negative_int, default=1, help="copy policy weights into the rollout engine when it lags the policy by N rollout steps (1 = before every step); 0 = never (the seed's frozen sampler)")
     rollout.add_argument("--rollout_staleness", type=_non_negative_int, default=0,
                          help="0 = rollout, then update (seed); N >= 1 = the sampler runs in its own process and generates up to N batches ahead while the policy "
-                              "trains, so a batch may come from weights N updates old (1 = one step off policy); needs --rollout_sync_every 1 and one process")
+                              "trains, so a batch may come from weights N updates old (1 = one step off policy); needs --rollout_sync_every 1; "
+                              "under torchrun every rank has a sampler process of its own")
     rollout.add_argument("--tis_cap", type=_positive_float, default=2.0,
                          help="with --rollout_staleness: per-token importance weight min(exp(trainer - sampler log-prob), cap) on the policy gradient "
                               f"(truncated importance sampling); the ratio losses ({_RATIO_NAMES}) take their ratio against the sampler's log-probs instead; "

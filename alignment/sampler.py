@@ -21,7 +21,7 @@ ran into --sampling_max_tokens (`truncated_responses`, for --overlong).
 import torch
 
 from alignment.devices import resolve_dtype
-from alignment.distributed import rank_slice
+from alignment.distributed import SingleProcess, rank_slice
 from alignment.rollout import STOP_STRINGS, HfEngine, VllmEngine, load_hf_model
 from alignment.run_log import timed
 from alignment.sampler_process import RolloutsAhead, SamplerProcess
@@ -48,10 +48,13 @@ def rollout_batch(dataset, step: int, steps_per_epoch: int, batch_size: int, see
     return [dataset.prompts[i] for i in rows], [dataset.ground_truths[i] for i in rows]
 
 
-def batches_ahead(args, dataset, step: int, steps_per_epoch: int, total_steps: int) -> list[tuple[int, list[str], int]]:
+def batches_ahead(args, dataset, step: int, steps_per_epoch: int, total_steps: int, ranks=SingleProcess()) -> list[tuple[int, list[str], int]]:
     """One step off: [(step, prompts, seed)] of the next --rollout_staleness steps of this epoch,
-    to sample while this one trains (a new epoch, or a resumed run, restarts the pipeline)."""
-    return [(step + k, rollout_batch(dataset, step + k, steps_per_epoch, args.rollout_batch_size, args.seed)[0], rollout_seed(args.seed, step + k))
+    to sample while this one trains (a new epoch, or a resumed run, restarts the pipeline).
+    Under torchrun each rank's sampler gets this rank's share of each batch, with the seed the
+    rank's own step would sample with, as in step."""
+    return [(step + k, rank_slice(rollout_batch(dataset, step + k, steps_per_epoch, args.rollout_batch_size, args.seed)[0], ranks),
+             rollout_seed(args.seed, step + k, ranks.rank))
             for k in range(1, args.rollout_staleness + 1) if (step - 1) % steps_per_epoch + k < steps_per_epoch and step + k <= total_steps]
 
 

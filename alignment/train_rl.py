@@ -271,7 +271,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         measure_gap = args.rollout_tokens == "ids" and args.sampler_logprobs_every > 0 and (step - 1) % args.sampler_logprobs_every == 0
         grouped_prompts, grouped_truths, generations, scores, sampled_version, extras = sample_and_grade(
             args, sampler, dataset, step, prompts, truths, replace(rollout_sampling, log_probs=measure_gap or bool(args.rollout_staleness)),
-            batches_ahead(args, dataset, step, steps_per_epoch, total_steps), ranks, timings, grade_responses)
+            batches_ahead(args, dataset, step, steps_per_epoch, total_steps, ranks), ranks, timings, grade_responses)
         timings.update(sampler.process_seconds())
         generated_tokens = ranks.sum(sum(g.num_tokens for g in generations))
 

@@ -23,10 +23,16 @@ def run(command, timeout=600):
 
 
 @pytest.mark.slow
-def test_two_rank_fsdp_step_equals_one_process_step(tiny_checkpoint, tmp_path):
-    run([sys.executable, "tests/fsdp_step_check.py", str(tiny_checkpoint), str(tmp_path / "one.pt")])
-    run([*TORCHRUN, "tests/fsdp_step_check.py", str(tiny_checkpoint), str(tmp_path / "two.pt")])
+@pytest.mark.parametrize("mode", ["in_step", "one_step_off"])
+def test_two_rank_fsdp_step_equals_one_process_step(tiny_checkpoint, tmp_path, mode):
+    """In step, and one step off (the sampler's log-probs weight each token, truncated at --tis_cap, on each rank's rows)."""
+    extra = ["one_step_off"] if mode == "one_step_off" else []
+    run([sys.executable, "tests/fsdp_step_check.py", str(tiny_checkpoint), str(tmp_path / "one.pt"), *extra])
+    run([*TORCHRUN, "tests/fsdp_step_check.py", str(tiny_checkpoint), str(tmp_path / "two.pt"), *extra])
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    if extra:  # some tokens' weights were capped, on both launches alike
+        assert one["tis_capped"] > 0 and one["sampler_ratio_max"] > 1.5
+        assert two["tis_capped"] == one["tis_capped"] and two["sampler_ratio_max"] == pytest.approx(one["sampler_ratio_max"], rel=1e-5)
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
     from safetensors.torch import load_file
@@ -233,3 +239,119 @@ def test_evaluation_under_torchrun_gives_a_frozen_sampler_its_start_weights_back
     start = load_file(str(task.sft / "model.safetensors"))
     sampler = dict(engine.model.named_parameters())
     assert all(torch.equal(sampler[name], tensor) for name, tensor in start.items())
+
+
+@pytest.mark.slow
+def test_one_step_off_under_torchrun_each_rank_samples_its_share_ahead(tmp_path):
+    """--rollout_staleness 1 with --policy_parallel fsdp: each rank's sampler process generates the rank's share of
+    the next batch while the ranks train; every batch after the first is one update old, and the steps log what a
+    one-process one-step-off run logs."""
+    from alignment import train_rl
+
+    task = make_tiny_task(tmp_path, num_train=32, num_test=8, seed=3)
+    flags = run_flags(task, tmp_path, "fsdp_ahead", "--policy_parallel", "fsdp", "--rollout_backend", "hf", "--rollout_staleness", "1",
+                      "--eval_num_examples", "8", "--max_steps", "3", "--evaluate_freq", "0", "--learning_rate", "1e-3", "--kl_coef", "0.05")
+    out = run([*TORCHRUN, "-m", "alignment.train_rl", *flags])
+    assert "each of 2 ranks, FSDP2 policy" in out and "sampler in its own process" in out
+    steps = steps_log(task, "fsdp_ahead")
+    assert [s["step"] for s in steps] == [1, 2, 3] and [s["train/staleness"] for s in steps] == [0, 1, 1]
+    assert all(s["train/sampler_importance_ratio_max"] > 0 for s in steps)  # the sampler's log-probs came back every step
+    final = json.loads((tmp_path / "runs" / "fsdp_ahead" / "final_eval_metrics.json").read_text())
+    assert final["num_examples"] == 8 and (tmp_path / "rl" / "model.safetensors").is_file()
+    one = run_flags(task, tmp_path, "one_ahead", "--rollout_staleness", "1", "--max_steps", "2", "--learning_rate", "1e-3", "--kl_coef", "0.05")
+    one[one.index("--checkpoint_path") + 1] = str(tmp_path / "one_rl")
+    train_rl.main(one)
+    assert {key for s in steps_log(task, "one_ahead") for key in s} == {key for s in steps for key in s}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        return listener.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", ["0", "1"])
+def test_two_nodes_of_one_process_each_train_in_step_and_one_step_off(tmp_path, staleness):
+    """The multi-node launch (`torchrun --nnodes 2 --node_rank R`), as two "nodes" of one process each on this host."""
+    task = make_tiny_task(tmp_path, num_train=32, num_test=8, seed=5)
+    flags = run_flags(task, tmp_path, "nodes", "--policy_parallel", "fsdp", "--rollout_backend", "hf", "--rollout_staleness", staleness,
+                      "--eval_num_examples", "8", "--max_steps", "2", "--evaluate_freq", "0", "--learning_rate", "1e-3", "--kl_coef", "0.05")
+    port = str(free_port())
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1",
+                               "--master_addr", "127.0.0.1", "--master_port", port, "-m", "alignment.train_rl", *flags],
+                              cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "each of 2 ranks, FSDP2 policy" in outputs[0]
+    steps = steps_log(task, "nodes")
+    assert [s["step"] for s in steps] == [1, 2] and [s["train/staleness"] for s in steps] == [0, int(staleness)]
+    assert json.loads((tmp_path / "runs" / "nodes" / "final_eval_metrics.json").read_text())["num_examples"] == 8
+
+
+def children_of(pids) -> list[int]:
+    """The processes whose parent is one of `pids` (the sampler processes of the ranks)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) in pids:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_one_step_off_under_torchrun_sigterm_saves_a_killed_launch_leaves_no_sampler_and_one_process_resumes(tmp_path, capsys):
+    """One step off under torchrun: SIGTERM to the launch finishes the step, saves and prints the resume command; a
+    SIGKILLed launch leaves no sampler process behind (each ends within seconds of its rank); the state resumes in
+    one process, one step off, to the end."""
+    import signal
+    import time
+
+    from alignment import train_rl
+
+    task = make_tiny_task(tmp_path, num_train=32, num_test=4, seed=4)
+    flags = run_flags(task, tmp_path, "ahead_stop", "--rollout_backend", "hf", "--layout", "auto", "--rollout_staleness", "1", "--max_steps", "4",
+                      "--evaluate_freq", "0", "--kl_coef", "0.05", "--learning_rate", "1e-3", "--save_state_every", "100")
+
+    def launch(*extra):
+        return subprocess.Popen([*TORCHRUN, "-m", "alignment.train_rl", *flags, "--policy_parallel", "fsdp", *extra], cwd=REPO_ROOT, env=ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def wait_for(process, prefix):
+        deadline = time.time() + 300
+        for line in process.stdout:
+            if line.startswith(prefix):
+                return
+            assert time.time() < deadline
+        raise AssertionError(f"the launch ended before a line starting {prefix!r}")
+
+    process = launch()  # SIGTERM after step 1: the ranks agree to stop, save the state, exit with the signal's code
+    wait_for(process, "step 1/4")
+    os.killpg(process.pid, signal.SIGTERM)
+    out = process.communicate(timeout=120)[0]
+    assert "stopped by SIGTERM after step" in out and "--resume" in out, out[-3000:]
+    counters = json.loads((tmp_path / "rl.state" / "counters.json").read_text())
+    assert counters["world_size"] == 2 and counters["step"] >= 1
+
+    process = launch("--resume")  # resumed under torchrun, then SIGKILLed: the sampler processes end with their ranks
+    wait_for(process, "step ")
+    launch_processes = processes_mentioning(str(tmp_path / "rl"))  # torchrun and its two ranks
+    samplers = [pid for pid in children_of(launch_processes) if pid not in launch_processes]
+    assert len(samplers) >= 2  # a sampler process per rank (spawned: its command line names no path)
+    kill_processes_mentioning(str(tmp_path / "rl"), signal.SIGKILL)
+    process.wait()
+    deadline = time.time() + 30
+    while not all(process_exited(pid) for pid in samplers):
+        assert time.time() < deadline, f"sampler processes {samplers} outlived their killed ranks"
+        time.sleep(0.1)
+    wait_until_unlocked(sorted(tmp_path.rglob("*.alignment-lock")))
+    step = json.loads((tmp_path / "rl.state" / "counters.json").read_text())["step"]
+    capsys.readouterr()
+    train_rl.main([*flags, "--resume"])  # in this one process, the seed's layout, still one step off
+    assert f"at step {step}" in capsys.readouterr().out
+    assert [s["step"] for s in steps_log(task, "ahead_stop")][-1] == 4
+    assert (tmp_path / "rl" / "model.safetensors").is_file() and not (tmp_path / "rl.state").exists()
