@@ -204,3 +204,37 @@ def test_run_cli_turns_the_paused_collector_back_on_and_unfreezes_at_the_end():
         gc.enable()
         if frozen_before:
             gc.freeze()
+
+
+def readme_commands() -> list[tuple[str, list[str]]]:
+    """(tool, flags) of every `python -m alignment.<tool>` / `torchrun ... -m alignment.<tool>` line in the README's code
+    blocks, continuation lines joined and comments dropped; lines with a `...` placeholder are left out."""
+    import shlex
+
+    text = (REPO_ROOT / "README.md").read_text()
+    commands, pending = [], ""
+    for line in text.splitlines():
+        if not line.startswith("    "):
+            pending = ""
+            continue
+        pending += line.strip().rstrip("\\") + " "
+        if line.rstrip().endswith("\\"):
+            continue
+        words, pending = shlex.split(pending, comments=True), ""
+        if "-m" in words and words[words.index("-m") + 1].startswith("alignment.") and "..." not in words:
+            module = words[words.index("-m") + 1]
+            commands.append((module.removeprefix("alignment."), words[words.index("-m") + 2:]))
+    return commands
+
+
+def test_every_command_in_the_readme_parses(toy_data):
+    """The README's command lines use flags that exist, with values the checks accept (the data folder swapped for a toy one)."""
+    from alignment.args import parse_eval_args, parse_rl_args, parse_sft_args
+
+    parsers = {"train_rl": parse_rl_args, "train_sft": parse_sft_args, "evaluate": parse_eval_args}
+    commands = [(tool, flags) for tool, flags in readme_commands() if tool in parsers]
+    assert {tool for tool, _ in commands} == set(parsers) and len(commands) >= 7
+    for tool, flags in commands:
+        if flags == ["--help"]:
+            continue
+        parsers[tool](flags + ["--data_dir", str(toy_data)])
