@@ -9,18 +9,15 @@ r1_zero prompts come out near Qwen's ~150 tokens.
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import Qwen2Config
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # `python bench/<script>.py` from a checkout that was not `pip install -e .`d
-    sys.path.append(str(REPO_ROOT))
+from alignment.toy.tiny_model import tiny_qwen2_config, train_byte_level_tokenizer
 
-from alignment.toy.tiny_model import tiny_qwen2_config, train_byte_level_tokenizer  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def qwen2_5_math_1_5b_config() -> Qwen2Config:
