@@ -26,7 +26,7 @@ def read_loss_registry(path: Path = Path(__file__).with_name("grpo.py")) -> tupl
                         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["AGGREGATIONS"])
     losses = {}
     for node in tree.body:
-        for decorator in getattr(node, "decorator_list", []):
+        for decorator in reversed(getattr(node, "decorator_list", [])):  # in the order Python applies them
             if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", None) == "register_loss":
                 name, description = (ast.literal_eval(argument) for argument in decorator.args)
                 options = {"ratio": False, "signal": "advantages", "aggregations": aggregations}

@@ -334,13 +334,10 @@ def register_loss(name: str, description: str, *, ratio: bool = False, signal: s
     return add
 
 
-@register_loss("no_baseline", "-reward * logp, REINFORCE on raw rewards in groups of one (seed)", signal="raw_rewards")
-def _no_baseline(inputs: LossInputs):
-    return compute_naive_policy_gradient_loss(inputs.signal, inputs.policy_log_probs), {}
-
-
+# one REINFORCE loss, two signals (decorators apply bottom up: no_baseline is registered first)
 @register_loss("reinforce_with_baseline", "-advantage * logp, the group mean as the baseline (seed)")
-def _reinforce_with_baseline(inputs: LossInputs):
+@register_loss("no_baseline", "-reward * logp, REINFORCE on raw rewards in groups of one (seed)", signal="raw_rewards")
+def _reinforce(inputs: LossInputs):
     return compute_naive_policy_gradient_loss(inputs.signal, inputs.policy_log_probs), {}
 
 

@@ -244,10 +244,13 @@ def normalize_constant(settings: UpdateSettings, batch, step_rows, ranks) -> flo
     loss over its token count. Unused by mean."""
     if settings.length_normalization != "token_mean":
         return settings.length_normalization_constant
-    in_loss = batch["response_mask"][step_rows]
-    if "in_loss" in batch:  # --overlong mask: a truncated response's tokens are not in the loss
-        in_loss = in_loss & batch["in_loss"][step_rows, None]
-    return max(ranks.mean(float(in_loss.sum())), 1.0) / len(step_rows)
+    return max(ranks.mean(float(_loss_mask(batch, step_rows, batch["response_mask"][step_rows]).sum())), 1.0) / len(step_rows)
+
+
+def _loss_mask(batch, rows, mask):
+    """`mask` (the rows' response tokens) less the rows --overlong mask keeps out of the loss
+    (DAPO: a truncated response carries no loss; entropy and the mismatch stay measured on it)."""
+    return mask & batch["in_loss"][rows, None].to(mask.device) if "in_loss" in batch else mask
 
 
 def check_weights_finite(model, optimizer, ranks, step: int) -> None:
@@ -291,8 +294,7 @@ def _train_microbatch(model, batch, rows, step_size, settings: UpdateSettings, m
     sampled = torch.where(mask.bool(), sampler, log_probs.detach()) if behaviour else None  # finite off the response
     stored_old = batch["old_log_probs"][rows, :width].to(main_device) if "old_log_probs" in batch else None
     old = old_policy_log_probs(settings, log_probs, ref, sampled, stored_old)
-    # --overlong mask: a truncated response carries no loss (DAPO); entropy and the mismatch stay measured on every response token
-    loss_mask = mask & batch["in_loss"][rows, None].to(main_device) if "in_loss" in batch else mask
+    loss_mask = _loss_mask(batch, rows, mask)
     token_count = mask.sum().clamp(min=1)
     if sampled is None or settings.mismatch_correction == "tis":
         # truncated importance sampling for the other losses: weight min(pi / pi_sampler, cap) per token (no gradient)

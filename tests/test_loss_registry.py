@@ -6,6 +6,7 @@ registry. The aggregation of token losses is one choice, `--length_normalization
 """
 
 import copy
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -53,7 +54,7 @@ def weight_change(model, batch, settings, rows_per_microbatch):
     model = copy.deepcopy(model)
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    settings = UpdateSettings(**{**settings.__dict__, "train_mini_batch_size": rows_per_microbatch})
+    settings = dataclasses.replace(settings, train_mini_batch_size=rows_per_microbatch)
     update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, settings, "cpu")
     return torch.cat([p.detach().flatten() for p in model.parameters()]) - before
 
@@ -79,7 +80,7 @@ def test_token_mean_is_the_steps_summed_token_loss_over_its_tokens_however_it_is
     expected = reference_gradient(model, batch, torch.full_like(mask, 1.0 / mask.sum().item()))
     for rows in (1, 2, 4):
         assert torch.allclose(weight_change(model, batch, settings, rows), expected, rtol=1e-4, atol=1e-7)
-    mean = UpdateSettings(**{**settings.__dict__, "length_normalization": "mean"})
+    mean = dataclasses.replace(settings, length_normalization="mean")
     per_sequence = reference_gradient(model, batch, 1.0 / mask.sum(-1, keepdim=True) / 4)
     assert torch.allclose(weight_change(model, batch, mean, 2), per_sequence, rtol=1e-4, atol=1e-7)
     assert (per_sequence - expected).norm() > 0.05 * expected.norm()
@@ -100,7 +101,7 @@ def test_a_loss_registered_in_grpo_trains_through_the_update_with_no_other_chang
             grpo.register_loss("double_reinforce", "again")(double_reinforce)
         settings = UpdateSettings(loss_type="double_reinforce", train_batch_size=4, logprob_chunk_size=0, max_grad_norm=1e9)
         doubled = weight_change(model, batch, settings, 4)
-        single = weight_change(model, batch, UpdateSettings(**{**settings.__dict__, "loss_type": "reinforce_with_baseline"}), 4)
+        single = weight_change(model, batch, dataclasses.replace(settings, loss_type="reinforce_with_baseline"), 4)
         assert single.norm() > 0 and torch.allclose(doubled, 2 * single, rtol=1e-4, atol=1e-6)  # (new - old weights rounds to 1e-7)
     finally:
         del grpo.LOSSES["double_reinforce"]
@@ -119,7 +120,7 @@ def test_the_readmes_example_objective_trains_as_written(tiny_model_and_tokenize
         assert grpo.LOSSES["capped_ratio"].ratio
         settings = UpdateSettings(loss_type="capped_ratio", train_batch_size=4, logprob_chunk_size=0, max_grad_norm=1e9)
         capped = weight_change(model, small_batch(tokenizer), settings, 4)
-        plain = weight_change(model, small_batch(tokenizer), UpdateSettings(**{**settings.__dict__, "loss_type": "reinforce_with_baseline"}), 4)
+        plain = weight_change(model, small_batch(tokenizer), dataclasses.replace(settings, loss_type="reinforce_with_baseline"), 4)
         assert plain.norm() > 0 and torch.allclose(capped, plain, rtol=1e-4, atol=1e-6)
     finally:
         del grpo.LOSSES["capped_ratio"]
