@@ -196,6 +196,7 @@ def reduce_reward_meta(meta: dict, raw_rewards, ranks) -> dict:
         "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(), "reward_max": rewards.max().item(), "reward_min": rewards.min().item(),
         "format_reward_mean": ranks.mean(meta["format_reward_mean"]), "answer_reward_mean": ranks.mean(meta["answer_reward_mean"]),
         "fraction_groups_all_equal": ranks.mean(meta["fraction_groups_all_equal"]),
+        "fraction_groups_all_right": ranks.mean(meta["fraction_groups_all_right"]),
     }
 
 

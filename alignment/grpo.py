@@ -76,7 +76,8 @@ def compute_group_normalized_rewards(
 
     Returns:
         advantages (N,), raw_rewards (N,), metadata: reward mean/std/max/min,
-        format and answer reward means, fraction of groups with equal rewards.
+        format and answer reward means, fraction of groups with equal rewards,
+        and of groups whose every answer is right.
     """
     scores = [reward_fn(response, truth) for response, truth in zip(rollout_responses, repeated_ground_truths, strict=True)]
     return advantages_from_scores(scores, group_size, advantage_eps, normalize_by_std)
@@ -93,6 +94,8 @@ def advantages_from_scores(scores: list[dict[str, float]], group_size: int, adva
         reward_min=raw_rewards.min().item(),
         format_reward_mean=sum(score["format_reward"] for score in scores) / len(scores),
         answer_reward_mean=sum(score["answer_reward"] for score in scores) / len(scores),
+        # the tied groups that are tied because every answer was right (the rest: mostly all wrong)
+        fraction_groups_all_right=torch.tensor([score["answer_reward"] == 1 for score in scores]).view(-1, group_size).all(dim=1).float().mean().item(),
     )
     return advantages, raw_rewards, metadata
 

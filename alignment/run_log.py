@@ -48,6 +48,7 @@ def step_scalars(args, progress: dict, reward_meta: dict, totals: dict, timings:
         "train/answer_reward": reward_meta["answer_reward_mean"],
         "train/reward_std": reward_meta["reward_std"],
         "train/fraction_groups_all_equal": reward_meta["fraction_groups_all_equal"],
+        "train/fraction_groups_all_right": reward_meta["fraction_groups_all_right"],
         "train/loss": totals["loss"] / loss_steps,
         "train/grad_norm": totals["grad_norm"] / (totals["optimizer_steps"] or NAN),
         "train/entropy": totals["entropy"] / microbatches,

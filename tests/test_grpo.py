@@ -39,6 +39,7 @@ def test_group_normalized_rewards_with_std():
     assert meta["format_reward_mean"] == pytest.approx(7 / 8)
     assert meta["answer_reward_mean"] == pytest.approx(2 / 8)
     assert meta["fraction_groups_all_equal"] == pytest.approx(0.5)
+    assert meta["fraction_groups_all_right"] == 0.0  # the tied group is all wrong
 
 
 def test_group_normalized_rewards_without_std_and_eps():
@@ -205,3 +206,12 @@ def test_empty_response_contributes_zero_not_nan():
     loss, _ = grpo_microbatch_train_step(log_probs, mask, 1, "no_baseline", raw_rewards=torch.ones(2, 1))
     assert torch.isfinite(loss)
     assert torch.isfinite(log_probs.grad).all()
+
+
+def test_fraction_of_groups_all_right_counts_groups_solved_by_every_rollout():
+    # groups of 2: both right, one right, both wrong, both right -> 3 of 4 tied, 2 of 4 tied at right
+    responses = ["1", "1", "1", "x", "x", "y", "2", "2"]
+    truths = ["1", "1", "1", "1", "1", "1", "2", "2"]
+    _, _, meta = compute_group_normalized_rewards(table_reward, responses, truths, 2, 1e-6, False)
+    assert meta["fraction_groups_all_equal"] == pytest.approx(0.75)
+    assert meta["fraction_groups_all_right"] == pytest.approx(0.5)
