@@ -86,7 +86,8 @@ def compute_group_normalized_rewards(
 def advantages_from_scores(scores: list[dict[str, float]], group_size: int, advantage_eps: float, normalize_by_std: bool):
     """`compute_group_normalized_rewards` for rewards already graded (in parallel, say)."""
     raw_rewards = torch.tensor([score["reward"] for score in scores], dtype=torch.float32)
-    advantages, metadata = normalize_group_rewards(raw_rewards, group_size, advantage_eps, normalize_by_std)
+    advantages, metadata = normalize_group_rewards(raw_rewards, group_size, advantage_eps, normalize_by_std)  # checks the group size
+    right = torch.tensor([score["answer_reward"] == 1 for score in scores]).view(-1, group_size)
     metadata.update(
         reward_mean=raw_rewards.mean().item(),
         reward_std=raw_rewards.std().item() if raw_rewards.numel() > 1 else 0.0,
@@ -95,7 +96,7 @@ def advantages_from_scores(scores: list[dict[str, float]], group_size: int, adva
         format_reward_mean=sum(score["format_reward"] for score in scores) / len(scores),
         answer_reward_mean=sum(score["answer_reward"] for score in scores) / len(scores),
         # the tied groups that are tied because every answer was right (the rest: mostly all wrong)
-        fraction_groups_all_right=torch.tensor([score["answer_reward"] == 1 for score in scores]).view(-1, group_size).all(dim=1).float().mean().item(),
+        fraction_groups_all_right=right.all(dim=1).float().mean().item(),
     )
     return advantages, raw_rewards, metadata
 
