@@ -272,6 +272,10 @@ def _add_rl_objective_variants(parser) -> None:
                                 "extra prompts (train/dynamic_sampling_rounds); off = train on the batch as sampled (seed)")
     objective.add_argument("--max_sampling_rounds", type=_positive_int, default=3,
                            help="--dynamic_sampling: at most this many extra generation rounds per step; still short, tied groups fill the batch")
+    objective.add_argument("--dynamic_sampling_prompts", type=_positive_int, default=None,
+                           help="--dynamic_sampling: prompts per generation round. Round 0 samples the step's --rollout_batch_size prompts and this "
+                                "many minus those, drawn apart, in one engine call; each extra round draws this many. Above --rollout_batch_size "
+                                "(verl's gen_batch_size), a step usually fills in one call once most groups tie; default --rollout_batch_size (DAPO's rounds)")
     objective.add_argument("--overlong", choices=["none", "mask", "penalty"], default="none",
                            help="responses truncated at --sampling_max_tokens (no </answer>, no EOS) (DAPO, Yu et al. 2025): mask = they carry no loss "
                                 "(overlong filtering); penalty = DAPO's soft overlong punishment added to every reward: 0 up to the limit minus "
@@ -306,6 +310,13 @@ def _check_objective_variants(args) -> None:
                         f"only, not {args.length_normalization}")
     if args.dynamic_sampling and args.rollout_staleness:
         raise UserError(f"--dynamic_sampling samples extra rounds in step with the policy: it does not combine with --rollout_staleness {args.rollout_staleness}")
+    if args.dynamic_sampling_prompts is not None and not args.dynamic_sampling:
+        raise UserError(f"--dynamic_sampling_prompts {args.dynamic_sampling_prompts} sizes --dynamic_sampling's rounds: add --dynamic_sampling, or drop the flag")
+    if args.dynamic_sampling_prompts is None:
+        args.dynamic_sampling_prompts = args.rollout_batch_size
+    if args.dynamic_sampling_prompts < args.rollout_batch_size:
+        raise UserError(f"--dynamic_sampling_prompts {args.dynamic_sampling_prompts} is below --rollout_batch_size {args.rollout_batch_size}: "
+                        "round 0 samples the step's own prompts and extra ones; pass at least that many")
     if args.dynamic_sampling and args.loss_type == "no_baseline":
         raise UserError("--dynamic_sampling drops groups whose rewards all tie, and no_baseline's groups of one always do; use another --loss_type")
     if args.overlong == "penalty" and not 0 < args.overlong_buffer <= args.sampling_max_tokens:
@@ -367,8 +378,8 @@ def validate_rl_args(args) -> None:
     elif args.group_size < 2:
         raise UserError(f"--group_size {args.group_size} with --loss_type {args.loss_type}: a group of one has zero advantage; use --group_size >= 2 or --loss_type no_baseline")
     # flags left unset and filled in from others: a resume names a changed source flag before them
-    args.derived_flags = [name for name in ("train_batch_size", "cliprange_high", "scoring_temperature", "length_normalization_constant", "state_dir")
-                          if getattr(args, name) is None]
+    args.derived_flags = [name for name in ("train_batch_size", "cliprange_high", "scoring_temperature", "length_normalization_constant", "state_dir",
+                                            "dynamic_sampling_prompts") if getattr(args, name) is None]
     total_rollouts = args.rollout_batch_size * args.group_size
     args.total_rollouts = total_rollouts
     if args.train_batch_size is None:
@@ -449,7 +460,7 @@ RUN_DEFINING_FLAGS = (
     "sampling_temperature", "sampling_top_p", "sampling_min_tokens", "sampling_max_tokens", "repetition_penalty",
     "rollout_tokens", "rollout_sync_every", "scoring_temperature", "dtype", "fp32_master_weights", "weight_decay",
     "adam_betas", "max_grad_norm", "rollout_staleness", "tis_cap", "mismatch_correction", "entropy_coef", "kl_estimator", "kl_in",
-    "dynamic_sampling", "max_sampling_rounds", "overlong", "overlong_buffer",
+    "dynamic_sampling", "max_sampling_rounds", "dynamic_sampling_prompts", "overlong", "overlong_buffer",
 )
 _NOT_RECORDED = ("resume", "derived_flags")
 _AUTO_FLAGS = ("torch_compile", "pack_sequences")  # None until resolve_speed_flags knows the device

@@ -183,6 +183,8 @@ def check_fsdp_sizes(args, ranks) -> None:
     """Batch sizes must split evenly over the ranks (whole prompts per rank)."""
     if args.rollout_batch_size % ranks.world_size:
         raise UserError(f"--rollout_batch_size {args.rollout_batch_size} must be divisible by the {ranks.world_size} ranks (each takes whole prompts)")
+    if args.dynamic_sampling and args.dynamic_sampling_prompts % ranks.world_size:
+        raise UserError(f"--dynamic_sampling_prompts {args.dynamic_sampling_prompts} must be divisible by the {ranks.world_size} ranks (each takes whole prompts)")
     if (args.train_batch_size // ranks.world_size) % args.train_mini_batch_size or args.train_batch_size % ranks.world_size:
         raise UserError(f"--train_batch_size {args.train_batch_size} / {ranks.world_size} ranks must be a multiple of --train_mini_batch_size {args.train_mini_batch_size}")
 

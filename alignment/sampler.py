@@ -59,7 +59,8 @@ def batches_ahead(args, dataset, step: int, steps_per_epoch: int, total_steps: i
 
 
 def extra_prompts(dataset, step: int, round_index: int, batch_size: int, seed: int) -> tuple[list[str], list[str]]:
-    """--dynamic_sampling's extra round `round_index` (from 1) of step `step`: `batch_size` prompts drawn
+    """--dynamic_sampling's prompts of round `round_index` of step `step` beyond the step's own (round 0
+    adds them when --dynamic_sampling_prompts exceeds --rollout_batch_size): `batch_size` prompts drawn
     from the whole train split, seeded by (seed, step, round). DAPO takes the next batches of its data
     loader; drawing apart keeps every step's own batch where the step alone puts it (resume, epochs)."""
     generator = torch.Generator().manual_seed(rollout_seed(seed, step, round_index=round_index))
@@ -99,10 +100,16 @@ def fill_informative_groups(sample_round, group_size: int, wanted_groups: int, m
 def sample_and_grade(args, sampler, dataset, step: int, prompts, truths, sampling, later, ranks, timings: dict, grade):
     """train_rl's steps 1-3a: the step's rollouts, graded by `grade` (grade_responses): (grouped prompts,
     grouped truths, generations, scores, weights version, scalars to log). --dynamic_sampling (DAPO)
-    replaces the groups whose rewards all tie with groups of extra prompts (`fill_informative_groups`)."""
+    replaces the groups whose rewards all tie with groups of extra prompts (`fill_informative_groups`),
+    --dynamic_sampling_prompts per round: the step's own groups come first, so they are kept first."""
     def sample_round(round_index):
-        round_prompts, round_truths = (prompts, truths) if round_index == 0 else (  # an extra round: prompts drawn apart from the step's
-            rank_slice(items, ranks) for items in extra_prompts(dataset, step, round_index, args.rollout_batch_size, args.seed))
+        # round 0: the step's own prompts, then (--dynamic_sampling_prompts above --rollout_batch_size) extra
+        # ones drawn apart, in the same engine call; an extra round: --dynamic_sampling_prompts drawn apart
+        round_prompts, round_truths = (prompts, truths) if round_index == 0 else ([], [])
+        extra_count = args.dynamic_sampling_prompts - args.rollout_batch_size if round_index == 0 else args.dynamic_sampling_prompts
+        if args.dynamic_sampling and extra_count:
+            extra, extra_truths = (rank_slice(items, ranks) for items in extra_prompts(dataset, step, round_index, extra_count, args.seed))
+            round_prompts, round_truths = round_prompts + extra, round_truths + extra_truths
         with timed(timings, "rollout"):
             grouped_prompts, grouped_truths, generations, version = sampler.sample(
                 step, round_prompts, round_truths, args.group_size, sampling, rollout_seed(args.seed, step, ranks.rank, round_index), () if round_index else later)

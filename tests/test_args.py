@@ -51,6 +51,8 @@ def _fails_with(main, argv, capsys, pattern):
         (["--dynamic_sampling", "--rollout_staleness", "1"], "--dynamic_sampling samples extra rounds in step"),
         (["--dynamic_sampling", "--loss_type", "no_baseline"], "--dynamic_sampling drops groups"),
         (["--max_sampling_rounds", "0"], "--max_sampling_rounds: must be a positive integer"),
+        (["--dynamic_sampling_prompts", "64"], "--dynamic_sampling_prompts 64 sizes --dynamic_sampling's rounds: add --dynamic_sampling"),
+        (["--dynamic_sampling", "--dynamic_sampling_prompts", "16"], "--dynamic_sampling_prompts 16 is below --rollout_batch_size 32"),
         (["--overlong", "penalty"], "--overlong penalty needs --overlong_buffer in [1, --sampling_max_tokens 1024]"),
         (["--overlong", "penalty", "--overlong_buffer", "2000"], "--overlong penalty needs --overlong_buffer"),
         (["--overlong_buffer", "8"], "--overlong_buffer 8 only shapes --overlong penalty"),

@@ -12,7 +12,7 @@ import torch
 
 from alignment import evaluate, train_rl
 from alignment.args import RUN_DEFINING_FLAGS, check_resume_flags, parse_eval_args, parse_rl_args
-from alignment.distributed import SingleProcess
+from alignment.distributed import SingleProcess, check_fsdp_sizes
 from alignment.errors import UserError
 from alignment.evaluate import add_pass_at_k, correct_counts, pass_at_k
 from alignment.grpo import (
@@ -28,7 +28,7 @@ from alignment.grpo import (
     sequence_kl,
 )
 from alignment.rollout import Generation
-from alignment.sampler import fill_informative_groups, truncated_responses
+from alignment.sampler import extra_prompts, fill_informative_groups, sample_and_grade, truncated_responses
 from conftest import make_tiny_task, parity_reward, steps_log, train_rl_flags, update_settings
 
 # ------------------------------------------------------------------ GSPO
@@ -222,6 +222,69 @@ def test_dynamic_sampling_refills_informative_groups_and_keeps_the_batch_size():
     # every group ties: the rounds run out, the batch keeps its size
     prompts, _, _, _, _, logged = fill_informative_groups(lambda _: _groups((0, 0), (1, 1)), 2, 2, 2, SingleProcess())
     assert len(prompts) == 4 and logged == {"train/dynamic_sampling_rounds": 2, "train/dynamic_sampling_informative_fraction": 0.0}
+
+
+class _RecordingSampler:
+    """sampler.sample's interface: each call's prompts recorded; response j of a group is "<prompt>#j"."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sample(self, step, prompts, truths, group_size, sampling, seed, later):
+        self.calls.append(list(prompts))
+        grouped = [p for p in prompts for _ in range(group_size)]
+        texts = [f"{p}#{j}" for p in prompts for j in range(group_size)]
+        return grouped, [t for t in truths for _ in range(group_size)], [Generation(t, 1, [1]) for t in texts], 0
+
+
+def _informative_if(predicate):
+    """A grader: rewards [0, 1] in the group of a prompt that `predicate` takes ("q4" -> 4), [0, 0] in any other."""
+    return lambda texts, truths: [{"reward": float(predicate(int(t.split("#")[0][1:])) and t.endswith("#1"))} for t in texts]
+
+
+def test_dynamic_sampling_prompts_oversample_round_zero_in_one_call():
+    class Dataset(SimpleNamespace):
+        def __len__(self):
+            return len(self.prompts)
+
+    dataset = Dataset(prompts=[f"q{i}" for i in range(40)], ground_truths=[f"a{i}" for i in range(40)])
+    args = SimpleNamespace(dynamic_sampling=True, dynamic_sampling_prompts=6, rollout_batch_size=2, group_size=2, max_sampling_rounds=1, seed=3)
+    step, own, own_truths = 5, ["q1", "q2"], ["a1", "a2"]
+
+    def run(grade, **changes):
+        sampler = _RecordingSampler()
+        result = sample_and_grade(SimpleNamespace(**{**vars(args), **changes}), sampler, dataset, step, own, own_truths, None, (),
+                                  SingleProcess(), {}, grade)
+        return sampler.calls, result
+
+    extra = extra_prompts(dataset, step, 0, 4, args.seed)[0]
+    # round 0: the step's own prompts first, then 4 drawn apart, in one engine call; the own informative group is kept first
+    chosen = next(p for p in extra[1:] if p not in own)
+    calls, (prompts, truths, _, scores, _, logged) = run(_informative_if(lambda i: i in (2, int(chosen[1:]))))
+    assert calls == [own + extra]
+    assert prompts == ["q2", "q2", chosen, chosen] and truths[:2] == ["a2", "a2"] and [s["reward"] for s in scores] == [0.0, 1.0, 0.0, 1.0]
+    assert logged == {"train/dynamic_sampling_rounds": 0, "train/dynamic_sampling_informative_fraction": 2 / 6}
+
+    # still short: an extra round draws --dynamic_sampling_prompts; the rounds run out, a tied group fills the batch
+    calls, (prompts, *_, logged) = run(_informative_if(lambda i: i == 2))
+    assert calls == [own + extra, extra_prompts(dataset, step, 1, 6, args.seed)[0]]
+    assert prompts == ["q2", "q2", "q1", "q1"] and logged["train/dynamic_sampling_rounds"] == 1
+
+    # the default (--rollout_batch_size): round 0 is the step's own batch, an extra round draws as many (DAPO's rounds)
+    calls, _ = run(_informative_if(lambda i: i == 2), dynamic_sampling_prompts=2)
+    assert calls == [own, extra_prompts(dataset, step, 1, 2, args.seed)[0]]
+    # without --dynamic_sampling the step's batch is sampled alone and kept as it is
+    calls, (prompts, *_, logged) = run(_informative_if(lambda i: i == 2), dynamic_sampling=False)
+    assert calls == [own] and prompts == ["q1", "q1", "q2", "q2"] and logged == {}
+
+
+def test_dynamic_sampling_prompts_split_over_the_ranks():
+    ranks = SimpleNamespace(world_size=2)
+    args = SimpleNamespace(rollout_batch_size=32, train_batch_size=256, train_mini_batch_size=8, dynamic_sampling=True, dynamic_sampling_prompts=48)
+    check_fsdp_sizes(args, ranks)  # 24 prompts a round on each rank
+    with pytest.raises(UserError, match="--dynamic_sampling_prompts 33 must be divisible by the 2 ranks"):
+        check_fsdp_sizes(SimpleNamespace(**{**vars(args), "dynamic_sampling_prompts": 33}), ranks)
+    check_fsdp_sizes(SimpleNamespace(**{**vars(args), "dynamic_sampling_prompts": 33, "dynamic_sampling": False}), ranks)
 
 
 # ------------------------------------------------------------------ entropy bonus
@@ -429,8 +492,10 @@ def test_good_combinations_parse_and_resume_refuses_a_changed_objective(task):
     args = parse_rl_args(["--data_dir", str(task.data), "--loss_type", "cispo", "--dynamic_sampling", "--overlong", "penalty", "--overlong_buffer", "256",
                           "--kl_coef", "0.01", "--kl_in", "reward", "--kl_estimator", "k2", "--entropy_coef", "0.001", "--eval_samples", "8", "--eval_pass_k", "4"])
     assert args.eval_samples_temperature == args.sampling_temperature == 1.0
-    new_flags = ("entropy_coef", "kl_estimator", "kl_in", "dynamic_sampling", "max_sampling_rounds", "overlong", "overlong_buffer", "mismatch_correction")
+    new_flags = ("entropy_coef", "kl_estimator", "kl_in", "dynamic_sampling", "max_sampling_rounds", "dynamic_sampling_prompts", "overlong",
+                 "overlong_buffer", "mismatch_correction")
     assert set(new_flags) <= set(RUN_DEFINING_FLAGS)
+    assert args.dynamic_sampling_prompts == args.rollout_batch_size == 32 and "dynamic_sampling_prompts" in args.derived_flags
     saved = {"flags": {"entropy_coef": 0.0, "kl_in": "reward", "eval_samples": 0}}
     with pytest.raises(UserError, match="--resume: --entropy_coef is 0.001 but the run was started with 0.0"):
         check_resume_flags(saved, args, "sha")
