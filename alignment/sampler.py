@@ -79,11 +79,13 @@ def fill_informative_groups(sample_round, group_size: int, wanted_groups: int, m
 
     `sample_round(round_index)` -> (grouped prompts, grouped truths, generations, scores,
     weights version), round 0 being the step's own prompts. Returns the same five for the
-    kept groups and {extra rounds, fraction of sampled groups that were informative}.
+    kept groups and {extra rounds, fraction of sampled groups that were informative, mean
+    reward of every sampled response}.
     """
-    kept, tied, sampled_groups, round_index = [], [], 0, 0
+    kept, tied, sampled_groups, round_index, sampled_rewards = [], [], 0, 0, []
     while True:
         *columns, version = sample_round(round_index)
+        sampled_rewards += [score["reward"] for score in columns[3]]
         for start in range(0, len(columns[0]), group_size):
             group = tuple(column[start : start + group_size] for column in columns)
             (kept if len({score["reward"] for score in group[3]}) > 1 else tied).append(group)
@@ -93,8 +95,10 @@ def fill_informative_groups(sample_round, group_size: int, wanted_groups: int, m
         round_index += 1
     groups = (kept + tied)[:wanted_groups]
     flat = [[item for group in groups for item in group[column]] for column in range(4)]
+    # train/reward is the kept groups' mean; the mean over every sampled response compares with a run without refill
     return (*flat, version, {"train/dynamic_sampling_rounds": round_index,
-                             "train/dynamic_sampling_informative_fraction": ranks.mean(len(kept) / max(sampled_groups, 1))})
+                             "train/dynamic_sampling_informative_fraction": ranks.mean(len(kept) / max(sampled_groups, 1)),
+                             "train/dynamic_sampling_sampled_reward": ranks.mean(sum(sampled_rewards) / max(len(sampled_rewards), 1))})
 
 
 def sample_and_grade(args, sampler, dataset, step: int, prompts, truths, sampling, later, ranks, timings: dict, grade):

@@ -212,16 +212,18 @@ def test_dynamic_sampling_refills_informative_groups_and_keeps_the_batch_size():
     prompts, truths, generations, scores, version, logged = fill_informative_groups(rounds.__getitem__, 2, 2, 3, SingleProcess())
     assert [prompt for prompt in prompts] == ["p1", "p1", "p1", "p1"]  # group 1 of round 0, group 1 of round 1
     assert [s["reward"] for s in scores] == [0.0, 1.0, 1.0, 0.0] and version == 7 and len(generations) == len(truths) == 4
-    assert logged == {"train/dynamic_sampling_rounds": 1, "train/dynamic_sampling_informative_fraction": 0.5}
+    assert logged == {"train/dynamic_sampling_rounds": 1, "train/dynamic_sampling_informative_fraction": 0.5,
+                      "train/dynamic_sampling_sampled_reward": 0.5}  # 4 of the 8 sampled responses right; the kept ones 2 of 4
 
     # bounded: after the last allowed round, tied groups fill the batch to its size
     prompts, _, _, scores, _, logged = fill_informative_groups(rounds.__getitem__, 2, 2, 0, SingleProcess())
     assert len(prompts) == 4 and [s["reward"] for s in scores] == [0.0, 1.0, 1.0, 1.0]
-    assert logged["train/dynamic_sampling_rounds"] == 0
+    assert logged["train/dynamic_sampling_rounds"] == 0 and logged["train/dynamic_sampling_sampled_reward"] == 0.75
 
     # every group ties: the rounds run out, the batch keeps its size
     prompts, _, _, _, _, logged = fill_informative_groups(lambda _: _groups((0, 0), (1, 1)), 2, 2, 2, SingleProcess())
-    assert len(prompts) == 4 and logged == {"train/dynamic_sampling_rounds": 2, "train/dynamic_sampling_informative_fraction": 0.0}
+    assert len(prompts) == 4 and logged == {"train/dynamic_sampling_rounds": 2, "train/dynamic_sampling_informative_fraction": 0.0,
+                                            "train/dynamic_sampling_sampled_reward": 0.5}
 
 
 class _RecordingSampler:
@@ -263,12 +265,14 @@ def test_dynamic_sampling_prompts_oversample_round_zero_in_one_call():
     calls, (prompts, truths, _, scores, _, logged) = run(_informative_if(lambda i: i in (2, int(chosen[1:]))))
     assert calls == [own + extra]
     assert prompts == ["q2", "q2", chosen, chosen] and truths[:2] == ["a2", "a2"] and [s["reward"] for s in scores] == [0.0, 1.0, 0.0, 1.0]
-    assert logged == {"train/dynamic_sampling_rounds": 0, "train/dynamic_sampling_informative_fraction": 2 / 6}
+    assert logged == {"train/dynamic_sampling_rounds": 0, "train/dynamic_sampling_informative_fraction": 2 / 6,
+                      "train/dynamic_sampling_sampled_reward": 2 / 12}
 
     # still short: an extra round draws --dynamic_sampling_prompts; the rounds run out, a tied group fills the batch
     calls, (prompts, *_, logged) = run(_informative_if(lambda i: i == 2))
     assert calls == [own + extra, extra_prompts(dataset, step, 1, 6, args.seed)[0]]
     assert prompts == ["q2", "q2", "q1", "q1"] and logged["train/dynamic_sampling_rounds"] == 1
+    assert logged["train/dynamic_sampling_sampled_reward"] == 1 / 24  # 12 prompts x 2 responses, one right
 
     # the default (--rollout_batch_size): round 0 is the step's own batch, an extra round draws as many (DAPO's rounds)
     calls, _ = run(_informative_if(lambda i: i == 2), dynamic_sampling_prompts=2)
