@@ -587,6 +587,7 @@ def test_cispo_with_dynamic_sampling_and_kl_in_the_reward(task, monkeypatch):
     # draws two odd answers each time, so the batch is filled with tied groups: 1 of 4, then 0 of 4 sampled groups informative
     assert [row["train/dynamic_sampling_rounds"] for row in rows] == [1, 1]
     assert [row["train/dynamic_sampling_informative_fraction"] for row in rows] == [0.25, 0.0]
+    assert [row["train/dynamic_sampling_sampled_reward"] for row in rows] == [2 / 16, 0.0]  # every sampled response, both rounds
     assert rows[0]["train/kl_reward"] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
     assert rows[0]["train/grad_norm"] > 0 and rows[1]["train/kl_reward"] < 0  # it moved, and k1 of its own samples is positive here
     # the KL left the loss for the reward: step 2's task rewards all tie at 0, so its rewards are -kl_coef x KL, and
