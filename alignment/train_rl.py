@@ -255,7 +255,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     total_peak = policy_peak_flops(roles, ranks.world_size, args.peak_tflops)
     rollout_sampling = SamplingSettings.from_args(args, "sampling_")
     weights = lambda: ranks.full_weights(model)  # noqa: E731 - the policy's weights, gathered under FSDP
-    skipped_in_a_row = 0
+    skipped_in_a_row, trained_seconds = 0, 0.0
     if args.evaluate_at_start and not state:  # step 0: the start checkpoint, evaluated as every later step is
         log.evaluation(0, evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, 0)[0], args.num_logged_rollouts)
 
@@ -312,6 +312,13 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
             raise UserError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient (step {step}); stopped with the last good "
                             f"weights untouched ({args.checkpoint_path} / {args.state_dir}); lower --learning_rate or check the data")
 
+        # --max_train_minutes: this step is the last once the launch has trained that long; it then saves and
+        # evaluates as the last step does (the periodic evaluation below would only evaluate the same weights)
+        trained_seconds += time.perf_counter() - step_started
+        if args.max_train_minutes and step < total_steps and ranks.any_true(trained_seconds >= 60 * args.max_train_minutes):
+            total_steps = step
+            say(f"--max_train_minutes {args.max_train_minutes:g}: {trained_seconds / 60:.1f} minutes of training after step {step}; the run ends here")
+
         # 6. periodic evaluation (the last step's runs once its weights are saved, below), then the step's log line
         if args.evaluate_freq and step % args.evaluate_freq == 0 and step < total_steps:
             with timed(timings, "eval"):
@@ -334,6 +341,8 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         if stopping:
             log.close()
             raise RunStopped(f"stopped by {stop.name} after step {step}: {resume_hint(args.state_dir)}", stop.exit_code)
+        if step == total_steps:
+            break
 
     # the final weights are saved before the final evaluation: a run that has trained keeps them whatever
     # happens during the evaluation (minutes on GSM8K; a scheduler's SIGKILL after its grace period)

@@ -36,6 +36,7 @@ def _fails_with(main, argv, capsys, pattern):
         (["--group_size", "0"], "--group_size: must be a positive integer"),
         (["--rollout_batch_size", "-3"], "--rollout_batch_size: must be a positive integer"),
         (["--learning_rate", "0"], "--learning_rate: must be a positive number"),
+        (["--max_train_minutes", "0"], "--max_train_minutes: must be a positive number"),
         (["--sampling_top_p", "0"], "--sampling_top_p: must be in (0, 1]"),
         (["--train_mini_batch_size", "3"], "--train_mini_batch_size 3 must divide --train_batch_size 256"),
         (["--train_batch_size", "100"], "--train_batch_size 100 must divide the 256 rollouts"),

@@ -15,7 +15,7 @@ from alignment.flops import update_flops
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.policy_update import score_with, sequence_lengths, update_policy
 from alignment.sft_helpers import tokenize_rollouts
-from conftest import make_tiny_task, train_rl_flags, update_settings
+from conftest import make_tiny_task, steps_log, train_rl_flags, update_settings
 
 REQUIRED_TAGS = {
     "train/reward", "train/format_reward", "train/answer_reward", "train/loss", "train/grad_norm", "train/entropy",
@@ -125,6 +125,24 @@ def test_the_final_weights_are_saved_before_the_final_evaluation(pipeline, monke
                            "--entropy_coef", "0.1"))  # the entropy bonus moves the weights every step
     assert seen[-1] == (int(max_steps), True)
     assert [step for step, _ in seen] == list(range(1, int(max_steps) + 1))
+
+
+def test_max_train_minutes_ends_the_run_with_its_save_and_final_evaluation(pipeline, monkeypatch, capsys):
+    """A clock that moves 25 s at each of train_rl's readings: every step trains 25 s, so a 1-minute limit is
+    reached in step 3 of 5; that step saves and evaluates as a last step does, and is evaluated once."""
+    from types import SimpleNamespace
+
+    clock = iter(range(0, 10**6, 25))
+    monkeypatch.setattr(train_rl, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    name = "time_limit"
+    train_rl.main(rl_flags(pipeline, name, "--rollout_backend", "hf", "--max_steps", "5", "--evaluate_freq", "1", "--max_train_minutes", "1",
+                           "--entropy_coef", "0.1"))
+    run_dir = pipeline.root / "runs" / name
+    assert "--max_train_minutes 1: 1.2 minutes of training after step 3; the run ends here" in capsys.readouterr().out
+    assert [row["step"] for row in steps_log(pipeline, name)] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in (run_dir / "evals.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert json.loads((run_dir / "final_eval_metrics.json").read_text())["step"] == 3
+    assert (pipeline.root / name / "rl" / "model.safetensors").is_file()
 
 
 def test_an_update_that_makes_the_weights_non_finite_stops_before_anything_saves_them(pipeline, monkeypatch):
