@@ -236,7 +236,7 @@ def _add_rl_loss(parser) -> None:
     loss.add_argument("--num_epochs", type=_positive_int, default=1, help="passes over the training prompts; the policy is saved to --checkpoint_path after each (seed)")
     loss.add_argument("--max_steps", type=_positive_int, default=None, help="stop after this many rollout steps (default: run all epochs)")
     loss.add_argument("--max_train_minutes", type=_positive_float, default=None,
-                      help="end the run after the step in which this launch's training time (evaluations excluded) reaches this many minutes: "
+                      help="end the run after the step in which this launch's training time (its steps; evaluations and saves excluded) reaches this many minutes: "
                            "save and evaluate as at --max_steps, so a time-boxed run keeps its final evaluation; the learning-rate schedule "
                            "still spans --max_steps (default: no limit)")
     loss.add_argument("--num_train_examples", type=_positive_int, default=None, help="use only the first N training prompts")

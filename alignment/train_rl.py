@@ -178,6 +178,8 @@ def load_prompts(args, tokenizer, base_model_checkpoint_path) -> tuple[Gsm8kData
     eval_set.check_prompt_lengths(tokenizer, context, args.eval_max_tokens, "--eval_max_tokens")
     if len(dataset) < args.rollout_batch_size:
         raise UserError(f"--rollout_batch_size {args.rollout_batch_size} exceeds the {len(dataset)} training prompts")
+    if args.dynamic_sampling and args.dynamic_sampling_prompts > len(dataset):  # a round draws that many distinct prompts
+        raise UserError(f"--dynamic_sampling_prompts {args.dynamic_sampling_prompts} exceeds the {len(dataset)} training prompts")
     steps_per_epoch = len(dataset) // args.rollout_batch_size
     return dataset, eval_set, steps_per_epoch, min(args.max_steps or steps_per_epoch * args.num_epochs, steps_per_epoch * args.num_epochs)
 
@@ -317,7 +319,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         trained_seconds += time.perf_counter() - step_started
         if args.max_train_minutes and step < total_steps and ranks.any_true(trained_seconds >= 60 * args.max_train_minutes):
             total_steps = step
-            say(f"--max_train_minutes {args.max_train_minutes:g}: {trained_seconds / 60:.1f} minutes of training after step {step}; the run ends here")
+            say(f"--max_train_minutes {args.max_train_minutes:g}: {ranks.max(trained_seconds) / 60:.1f} minutes of training after step {step}; the run ends here")
 
         # 6. periodic evaluation (the last step's runs once its weights are saved, below), then the step's log line
         if args.evaluate_freq and step % args.evaluate_freq == 0 and step < total_steps:

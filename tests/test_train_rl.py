@@ -145,6 +145,13 @@ def test_max_train_minutes_ends_the_run_with_its_save_and_final_evaluation(pipel
     assert (pipeline.root / name / "rl" / "model.safetensors").is_file()
 
 
+def test_batch_sizes_beyond_the_training_prompts_are_named(pipeline):
+    with pytest.raises(UserError, match="--rollout_batch_size 40 exceeds the 32 training prompts"):
+        train_rl.main(rl_flags(pipeline, "too_many", "--rollout_backend", "hf", "--rollout_batch_size", "40"))
+    with pytest.raises(UserError, match="--dynamic_sampling_prompts 40 exceeds the 32 training prompts"):
+        train_rl.main(rl_flags(pipeline, "too_many", "--rollout_backend", "hf", "--dynamic_sampling", "--dynamic_sampling_prompts", "40"))
+
+
 def test_an_update_that_makes_the_weights_non_finite_stops_before_anything_saves_them(pipeline, monkeypatch):
     """--learning_rate 1e308 passes the loss and gradient checks; the weights it writes are inf. The run stops at that
     step with one line, and the training state saved the step before stays the last good one."""
