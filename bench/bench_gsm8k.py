@@ -28,9 +28,9 @@ runs on the first, each alone on its GPU (the host is shared). Writes
 
 `--variant NAME=FLAGS` (repeatable) adds RL runs from the same start, one after another
 on our GPU, each the recipe's train_rl command with FLAGS appended (argparse keeps a
-flag's last value, so FLAGS override the recipe's); `--rl_minutes` stops each RL run
-(SIGTERM: it finishes its step) that many minutes after it started, so a sweep fits a
-time budget. Every RL run evaluates its start checkpoint as step 0 (`--evaluate_at_start`).
+flag's last value, so FLAGS override the recipe's); `--rl_minutes` ends each RL run at
+the step whose training time reaches that many minutes (train_rl's --max_train_minutes:
+the run still saves and makes its final evaluation), so a sweep fits a time budget. Every RL run evaluates its start checkpoint as step 0 (`--evaluate_at_start`).
 """
 
 import argparse
@@ -158,10 +158,12 @@ def main():
     parser.add_argument("--trl_microbatch", type=int, default=8, help="TRL completions per forward/backward (32 ran out of memory on an H200 beside its engine)")
     parser.add_argument("--rl_deadline_minutes", type=float, default=None,
                         help="stop both RL runs this many minutes after the script started (what they logged by then is reported)")
-    parser.add_argument("--rl_minutes", type=float, default=None, help="stop each of our RL runs this many minutes after it started")
+    parser.add_argument("--rl_minutes", type=float, default=None,
+                        help="end each of our RL runs at the step whose training time reaches this many minutes (train_rl --max_train_minutes: "
+                             "it still saves and evaluates; engine start and evaluations are not counted)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                         help="another RL run from the same start: the recipe's train_rl flags plus FLAGS (repeatable; runs after the recipe's own)")
-    parser.add_argument("--recipe", action=argparse.BooleanOptionalAction, default=True, help="run the recipe's own RL run (rl) before the variants")
+    parser.add_argument("--recipe", action=argparse.BooleanOptionalAction, default=True, help="run the recipe's own RL run (rl) before the variants; --no-recipe without --variant runs TRL alone from the start checkpoint")
     parser.add_argument("--base_eval", action=argparse.BooleanOptionalAction, default=True,
                         help="evaluate the start model; --no-base_eval starts RL from SFT without it (the rule picks SFT whenever it beats the base)")
     parser.add_argument("--sft_flags", default="--num_epochs 1 --batch_size 32 --microbatch_size 32 --eval_num_examples 64",
@@ -175,8 +177,8 @@ def main():
 
     rl = args.rl = TINY_RL if args.tiny else RL
     variants = [parse_variant(text) for text in args.variant]
-    if not args.recipe and not variants:
-        raise SystemExit("--no-recipe leaves no RL run: add at least one --variant NAME=FLAGS")
+    if not args.recipe and not variants and not args.trl:
+        raise SystemExit("--no-recipe --no-trl leaves no RL run: add at least one --variant NAME=FLAGS, or drop --no-trl")
     if args.summarize_only:
         write_summary(args.out, args.model, args.gpus, rl, args.rl_run, args.trl_dir)
         return
@@ -208,16 +210,7 @@ def main():
 
     # 3-4. ours (the recipe, then each variant, one after another) and TRL from the same start
     def one_rl(name: str, extra: list[str]):
-        command = [sys.executable, "-m", "alignment.train_rl", "--sft_checkpoint_path", str(start), "--checkpoint_path", str(args.out / name),
-                   "--log_dir", str(args.out / "runs"), "--run_name", name, "--layout", "auto", *common, *train_rl_flags(rl),
-                   "--max_steps", str(2 if args.tiny else args.rl_steps), "--evaluate_freq", str(1 if args.tiny else args.evaluate_freq),
-                   "--eval_max_tokens", str(args.eval_max_tokens), "--evaluate_at_start"]
-        if args.tiny:
-            command += ["--eval_num_examples", str(args.eval_num_examples), "--vllm_kv_cache_gb", "1", "--train_mini_batch_size", "4"]
-        elif args.device == "cuda":
-            command += ["--microbatch_tokens", "16384"]  # packed microbatches beside the colocated engine
-        limit = time.time() + 60 * args.rl_minutes if args.rl_minutes else None
-        ours.run(name, command + extra, min(filter(None, (deadline, limit)), default=None))
+        ours.run(name, rl_command(args, start, name) + extra, deadline)
 
     def our_rl():
         for name, extra in ([("rl", [])] if args.recipe else []) + variants:
@@ -242,7 +235,23 @@ def main():
                 trl_done.result() if trl_done else trl_rl()
             except SystemExit as failure:  # ours is still summarised
                 print(f"TRL: {failure}", flush=True)
-    write_summary(args.out, args.model, args.gpus, rl, "rl" if args.recipe else variants[0][0], variant_runs=[name for name, _ in variants])
+    ours_run = "rl" if args.recipe else variants[0][0] if variants else None  # None: TRL alone (--no-recipe)
+    write_summary(args.out, args.model, args.gpus, rl, ours_run, variant_runs=[name for name, _ in variants])
+
+
+def rl_command(args, start: Path, name: str) -> list[str]:
+    """The recipe's train_rl command line for run `name` from `start` (a --variant appends its flags)."""
+    command = [sys.executable, "-m", "alignment.train_rl", "--sft_checkpoint_path", str(start), "--checkpoint_path", str(args.out / name),
+               "--log_dir", str(args.out / "runs"), "--run_name", name, "--layout", "auto", "--data_dir", str(args.data_dir), *train_rl_flags(args.rl),
+               "--max_steps", str(2 if args.tiny else args.rl_steps), "--evaluate_freq", str(1 if args.tiny else args.evaluate_freq),
+               "--eval_max_tokens", str(args.eval_max_tokens), "--evaluate_at_start"]
+    if args.rl_minutes:  # train_rl ends the run itself, with its save and final evaluation
+        command += ["--max_train_minutes", str(args.rl_minutes)]
+    if args.tiny:
+        command += ["--eval_num_examples", str(args.eval_num_examples), "--vllm_kv_cache_gb", "1", "--train_mini_batch_size", "4"]
+    elif args.device == "cuda":
+        command += ["--microbatch_tokens", "16384"]  # packed microbatches beside the colocated engine
+    return command
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -255,8 +264,9 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name, shlex.split(flags)
 
 
-def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str = "rl", trl_dir: str = "trl", variant_runs=()) -> dict:
-    """summary.json, gsm8k_curves.png and a printed table, from what the stages wrote in `out`."""
+def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "rl", trl_dir: str = "trl", variant_runs=()) -> dict:
+    """summary.json, gsm8k_curves.png and a printed table, from what the stages wrote in `out`
+    (`rl_run` None: no run of ours, TRL's alone)."""
     summary = {"model": str(model), "gpus": gpus, "rl_settings": {k: list(v) if isinstance(v, tuple) else v for k, v in rl.items()}}
     for stage in ("eval_base", "eval_sft"):
         if (out / stage / "metrics.json").is_file():  # --no-base_eval skips the first
@@ -264,7 +274,8 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str = "rl", trl
             summary[stage] = {key: metrics[key] for key in ("avg_all_rewards", "format_reward", "mean_response_tokens", "num_examples")}
     base = summary.get("eval_base", {}).get("avg_all_rewards", float("-inf"))
     summary["rl_start"] = "sft" if summary["eval_sft"]["avg_all_rewards"] >= base else "base"
-    summary.update(read_ours(out / "runs" / rl_run))
+    if rl_run is not None:
+        summary.update(read_ours(out / "runs" / rl_run))
     summary["variants"] = {name: read_ours(out / "runs" / name) for name in variant_runs if name != rl_run and (out / "runs" / name / "steps.jsonl").is_file()}
     summary["eval_trl"] = {int(path.name.rpartition("_")[2]): json.loads((path / "metrics.json").read_text())
                            for path in out.glob(f"eval_{trl_dir}_*") if (path / "metrics.json").is_file()}

@@ -120,6 +120,43 @@ def test_gsm8k_recipe_script_runs_sft_then_the_recipe_and_a_variant_from_it(tmp_
     assert "Traceback" not in recipe
 
 
+def test_gsm8k_recipe_time_box_is_train_rls_own_so_the_final_evaluation_stays(monkeypatch, tmp_path):
+    """--rl_minutes becomes train_rl's --max_train_minutes (a wall-clock SIGTERM lost the run's final evaluation)."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    from argparse import Namespace
+
+    from bench_gsm8k import RL, rl_command
+
+    args = Namespace(out=tmp_path, data_dir=tmp_path / "data", rl=RL, tiny=False, rl_steps=100, evaluate_freq=20, eval_max_tokens=1024,
+                     eval_num_examples=None, device="cuda", rl_minutes=7.5)
+    command = rl_command(args, tmp_path / "sft", "rl")
+    assert command[command.index("--max_train_minutes") + 1] == "7.5" and command[command.index("--max_steps") + 1] == "100"
+    assert command[command.index("--checkpoint_path") + 1] == str(tmp_path / "rl") and "--microbatch_tokens" in command
+    args.rl_minutes = None
+    assert "--max_train_minutes" not in rl_command(args, tmp_path / "sft", "rl")
+
+
+def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypatch, tmp_path, capsys):
+    """--no-recipe without --variant runs TRL alone: the summary has TRL's evaluations, its rollout-step timings
+    (two optimizer steps per rollout step, summed) and no run of ours."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    from bench_gsm8k import RL, write_summary
+
+    metrics = {"avg_all_rewards": 0.5, "format_reward": 0.9, "mean_response_tokens": 100, "num_examples": 8}
+    for stage, accuracy in (("eval_sft", 0.5), ("eval_trl_1", 0.625)):
+        (tmp_path / stage).mkdir()
+        (tmp_path / stage / "metrics.json").write_text(json.dumps({**metrics, "avg_all_rewards": accuracy}))
+    (tmp_path / "trl").mkdir()
+    rows = [{"step": step, "rollout_step": (step + 1) // 2, "step_seconds": seconds, "elapsed_seconds": elapsed, "reward": 0.25 * step,
+             "timers": {"vLLM.generate": seconds / 2}, "peak_memory_gib": 3.0} for step, seconds, elapsed in ((1, 4.0, 4.0), (2, 2.0, 6.0), (3, 3.0, 9.0), (4, 1.0, 10.0))]
+    (tmp_path / "trl" / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    summary = write_summary(tmp_path, "models/x", "0", RL, rl_run=None)
+    assert "ours_evals" not in summary and summary["eval_trl"][1]["avg_all_rewards"] == 0.625
+    assert summary["trl_train_minutes"] == {1: 6.0 / 60, 2: 10.0 / 60} and summary["trl_median_seconds"]["step"] == 4.0
+    assert summary["trl_train_reward"] == [(1, 0.25), (2, 0.75)] and (tmp_path / "gsm8k_curves.png").stat().st_size > 0
+    assert "TRL  step    1: accuracy 0.625" in capsys.readouterr().out
+
+
 def test_grader_bench_quick_run_measures_every_section(tmp_path):
     run_bench("bench_grader.py", tmp_path / "grader.json", "--quick")
     result = json.loads((tmp_path / "grader.json").read_text())
