@@ -278,7 +278,7 @@ def _add_rl_objective_variants(parser) -> None:
                            help="--dynamic_sampling: at most this many extra generation rounds per step; still short, tied groups fill the batch")
     objective.add_argument("--dynamic_sampling_prompts", type=_positive_int, default=None,
                            help="--dynamic_sampling: prompts per generation round. Round 0 samples the step's --rollout_batch_size prompts and this "
-                                "many minus those, drawn apart, in one engine call; each extra round draws this many. Above --rollout_batch_size "
+                                "many minus those, drawn apart, in one engine call; each extra round draws this many (never a prompt twice in a step). Above --rollout_batch_size "
                                 "(verl's gen_batch_size), a step usually fills in one call once most groups tie; default --rollout_batch_size (DAPO's rounds)")
     objective.add_argument("--overlong", choices=["none", "mask", "penalty"], default="none",
                            help="responses truncated at --sampling_max_tokens (no </answer>, no EOS) (DAPO, Yu et al. 2025): mask = they carry no loss "

@@ -58,13 +58,17 @@ def batches_ahead(args, dataset, step: int, steps_per_epoch: int, total_steps: i
             for k in range(1, args.rollout_staleness + 1) if (step - 1) % steps_per_epoch + k < steps_per_epoch and step + k <= total_steps]
 
 
-def extra_prompts(dataset, step: int, round_index: int, batch_size: int, seed: int) -> tuple[list[str], list[str]]:
-    """--dynamic_sampling's prompts of round `round_index` of step `step` beyond the step's own (round 0
-    adds them when --dynamic_sampling_prompts exceeds --rollout_batch_size): `batch_size` prompts drawn
-    from the whole train split, seeded by (seed, step, round). DAPO takes the next batches of its data
-    loader; drawing apart keeps every step's own batch where the step alone puts it (resume, epochs)."""
-    generator = torch.Generator().manual_seed(rollout_seed(seed, step, round_index=round_index))
-    rows = torch.randperm(len(dataset), generator=generator)[:batch_size].tolist()
+def extra_prompts(dataset, step: int, seed: int, own_prompts, start: int, count: int) -> tuple[list[str], list[str]]:
+    """--dynamic_sampling's prompts of step `step` beyond its own: items [start, start + count) of one shuffle
+    of the train split without the step's own prompts, seeded by (seed, step). Round 0 takes the first
+    --dynamic_sampling_prompts minus --rollout_batch_size of them, each extra round the next
+    --dynamic_sampling_prompts, so no prompt is sampled twice in a step (on a split too small for the
+    rounds, the shuffle starts over). DAPO takes the next batches of its data loader; drawing apart keeps
+    every step's own batch where the step alone puts it (resume, epochs)."""
+    own = set(own_prompts)
+    generator = torch.Generator().manual_seed(rollout_seed(seed, step, round_index=1))
+    pool = [i for i in torch.randperm(len(dataset), generator=generator).tolist() if dataset.prompts[i] not in own]
+    rows = [pool[(start + k) % len(pool)] for k in range(count)] if pool else []
     return [dataset.prompts[i] for i in rows], [dataset.ground_truths[i] for i in rows]
 
 
@@ -106,13 +110,16 @@ def sample_and_grade(args, sampler, dataset, step: int, prompts, truths, samplin
     grouped truths, generations, scores, weights version, scalars to log). --dynamic_sampling (DAPO)
     replaces the groups whose rewards all tie with groups of extra prompts (`fill_informative_groups`),
     --dynamic_sampling_prompts per round: the step's own groups come first, so they are kept first."""
+    step_prompts = ranks.gather(prompts) if args.dynamic_sampling else prompts  # the whole step's batch, which extra prompts leave out
+
     def sample_round(round_index):
         # round 0: the step's own prompts, then (--dynamic_sampling_prompts above --rollout_batch_size) extra
         # ones drawn apart, in the same engine call; an extra round: --dynamic_sampling_prompts drawn apart
         round_prompts, round_truths = (prompts, truths) if round_index == 0 else ([], [])
-        extra_count = args.dynamic_sampling_prompts - args.rollout_batch_size if round_index == 0 else args.dynamic_sampling_prompts
-        if args.dynamic_sampling and extra_count:
-            extra, extra_truths = (rank_slice(items, ranks) for items in extra_prompts(dataset, step, round_index, extra_count, args.seed))
+        first = args.dynamic_sampling_prompts - args.rollout_batch_size  # round 0's extra prompts
+        start, count = (0, first) if round_index == 0 else (first + (round_index - 1) * args.dynamic_sampling_prompts, args.dynamic_sampling_prompts)
+        if args.dynamic_sampling and count:
+            extra, extra_truths = (rank_slice(items, ranks) for items in extra_prompts(dataset, step, args.seed, step_prompts, start, count))
             round_prompts, round_truths = round_prompts + extra, round_truths + extra_truths
         with timed(timings, "rollout"):
             grouped_prompts, grouped_truths, generations, version = sampler.sample(

@@ -259,9 +259,9 @@ def test_dynamic_sampling_prompts_oversample_round_zero_in_one_call():
                                   SingleProcess(), {}, grade)
         return sampler.calls, result
 
-    extra = extra_prompts(dataset, step, 0, 4, args.seed)[0]
+    extra = extra_prompts(dataset, step, args.seed, own, 0, 4)[0]
     # round 0: the step's own prompts first, then 4 drawn apart, in one engine call; the own informative group is kept first
-    chosen = next(p for p in extra[1:] if p not in own)
+    chosen = extra[1]
     calls, (prompts, truths, _, scores, _, logged) = run(_informative_if(lambda i: i in (2, int(chosen[1:]))))
     assert calls == [own + extra]
     assert prompts == ["q2", "q2", chosen, chosen] and truths[:2] == ["a2", "a2"] and [s["reward"] for s in scores] == [0.0, 1.0, 0.0, 1.0]
@@ -270,16 +270,49 @@ def test_dynamic_sampling_prompts_oversample_round_zero_in_one_call():
 
     # still short: an extra round draws --dynamic_sampling_prompts; the rounds run out, a tied group fills the batch
     calls, (prompts, *_, logged) = run(_informative_if(lambda i: i == 2))
-    assert calls == [own + extra, extra_prompts(dataset, step, 1, 6, args.seed)[0]]
+    assert calls == [own + extra, extra_prompts(dataset, step, args.seed, own, 4, 6)[0]]
     assert prompts == ["q2", "q2", "q1", "q1"] and logged["train/dynamic_sampling_rounds"] == 1
     assert logged["train/dynamic_sampling_sampled_reward"] == 1 / 24  # 12 prompts x 2 responses, one right
 
     # the default (--rollout_batch_size): round 0 is the step's own batch, an extra round draws as many (DAPO's rounds)
     calls, _ = run(_informative_if(lambda i: i == 2), dynamic_sampling_prompts=2)
-    assert calls == [own, extra_prompts(dataset, step, 1, 2, args.seed)[0]]
+    assert calls == [own, extra_prompts(dataset, step, args.seed, own, 0, 2)[0]]
     # without --dynamic_sampling the step's batch is sampled alone and kept as it is
     calls, (prompts, *_, logged) = run(_informative_if(lambda i: i == 2), dynamic_sampling=False)
     assert calls == [own] and prompts == ["q1", "q1", "q2", "q2"] and logged == {}
+
+
+def test_dynamic_sampling_never_samples_a_prompt_twice_in_a_step():
+    """Round 0's extras and every extra round come from one shuffle without the step's own prompts (the
+    whole step's, under torchrun): no prompt twice in a step, and the ranks' shares are disjoint."""
+    class Dataset(SimpleNamespace):
+        def __len__(self):
+            return len(self.prompts)
+
+    dataset = Dataset(prompts=[f"q{i}" for i in range(40)], ground_truths=[f"a{i}" for i in range(40)])
+    args = SimpleNamespace(dynamic_sampling=True, dynamic_sampling_prompts=8, rollout_batch_size=4, group_size=2, max_sampling_rounds=3, seed=0)
+    never = _informative_if(lambda i: False)  # every group tied: all three extra rounds run
+    for step in range(1, 31):
+        own = [f"q{(step * 7 + k) % 40}" for k in range(4)]
+        sampler = _RecordingSampler()
+        sample_and_grade(args, sampler, dataset, step, own, [p.replace("q", "a") for p in own], None, (), SingleProcess(), {}, never)
+        single = sampler.calls
+        drawn = [p for call in single for p in call]
+        assert len(drawn) == 4 + 4 + 3 * 8 == len(set(drawn)), (step, drawn)
+        # two ranks, two own prompts each: together they draw what one process draws, each extra once
+        shares = []
+        for rank in (0, 1):
+            ranks = SimpleNamespace(rank=rank, world_size=2, gather=lambda items, own=own: list(own), any_true=bool, mean=float)
+            sampler = _RecordingSampler()
+            sample_and_grade(args, sampler, dataset, step, own[2 * rank : 2 * rank + 2], [], None, (), ranks, {}, never)
+            shares.append(sampler.calls)
+        assert shares[0][0] == own[:2] + single[0][4:6] and shares[1][0] == own[2:] + single[0][6:]
+        assert all(shares[0][k] == single[k][:4] and shares[1][k] == single[k][4:] for k in (1, 2, 3))
+    # a split too small for the rounds: the shuffle starts over, each round still has its full count
+    small = Dataset(prompts=[f"q{i}" for i in range(10)], ground_truths=[f"a{i}" for i in range(10)])
+    sampler = _RecordingSampler()
+    sample_and_grade(args, sampler, small, 1, ["q0", "q1", "q2", "q3"], ["a0", "a1", "a2", "a3"], None, (), SingleProcess(), {}, never)
+    assert [len(call) for call in sampler.calls] == [8, 8, 8, 8] and not {"q0", "q1", "q2", "q3"} & {p for call in sampler.calls[1:] for p in call}
 
 
 def test_dynamic_sampling_prompts_split_over_the_ranks():
