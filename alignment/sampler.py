@@ -84,12 +84,14 @@ def fill_informative_groups(sample_round, group_size: int, wanted_groups: int, m
     `sample_round(round_index)` -> (grouped prompts, grouped truths, generations, scores,
     weights version), round 0 being the step's own prompts. Returns the same five for the
     kept groups and {extra rounds, fraction of sampled groups that were informative, mean
-    reward of every sampled response}.
+    reward of every sampled response, tokens generated over every round (summed over ranks):
+    the engine's work, which the kept responses understate}.
     """
-    kept, tied, sampled_groups, round_index, sampled_rewards = [], [], 0, 0, []
+    kept, tied, sampled_groups, round_index, sampled_rewards, sampled_tokens = [], [], 0, 0, [], 0
     while True:
         *columns, version = sample_round(round_index)
         sampled_rewards += [score["reward"] for score in columns[3]]
+        sampled_tokens += sum(generation.num_tokens for generation in columns[2])
         for start in range(0, len(columns[0]), group_size):
             group = tuple(column[start : start + group_size] for column in columns)
             (kept if len({score["reward"] for score in group[3]}) > 1 else tied).append(group)
@@ -102,7 +104,8 @@ def fill_informative_groups(sample_round, group_size: int, wanted_groups: int, m
     # train/reward is the kept groups' mean; the mean over every sampled response compares with a run without refill
     return (*flat, version, {"train/dynamic_sampling_rounds": round_index,
                              "train/dynamic_sampling_informative_fraction": ranks.mean(len(kept) / max(sampled_groups, 1)),
-                             "train/dynamic_sampling_sampled_reward": ranks.mean(sum(sampled_rewards) / max(len(sampled_rewards), 1))})
+                             "train/dynamic_sampling_sampled_reward": ranks.mean(sum(sampled_rewards) / max(len(sampled_rewards), 1)),
+                             "train/dynamic_sampling_sampled_tokens": ranks.sum(sampled_tokens)})
 
 
 def sample_and_grade(args, sampler, dataset, step: int, prompts, truths, sampling, later, ranks, timings: dict, grade):

@@ -275,7 +275,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
             args, sampler, dataset, step, prompts, truths, replace(rollout_sampling, log_probs=measure_gap or bool(args.rollout_staleness)),
             batches_ahead(args, dataset, step, steps_per_epoch, total_steps, ranks), ranks, timings, grade_responses)
         timings.update(sampler.process_seconds())
-        generated_tokens = ranks.sum(sum(g.num_tokens for g in generations))
+        generated_tokens = ranks.sum(sum(g.num_tokens for g in generations))  # the batch's; the engine's (refill rounds too) below
 
         # 3. advantages normalised within each prompt's group (--overlong: DAPO's truncation mask or length penalty)
         with timed(timings, "reward"):
@@ -329,7 +329,8 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
                 sampler.version = progress["policy_version"]
             log.evaluation(step, eval_metrics, args.num_logged_rollouts)
         timings["step"] = time.perf_counter() - step_started
-        log.step(step, total_steps, {**step_scalars(args, progress, reward_meta, totals, timings, generated_tokens, scheduler.get_last_lr()[0], total_peak),
+        log.step(step, total_steps, {**step_scalars(args, progress, reward_meta, totals, timings, generated_tokens, scheduler.get_last_lr()[0], total_peak,
+                                                  extras.get("train/dynamic_sampling_sampled_tokens", generated_tokens)),
                                      **extras}, progress["skipped_steps"])
 
         # 7. save: the policy after each pass over the data (seed), a training state every

@@ -213,17 +213,19 @@ def test_dynamic_sampling_refills_informative_groups_and_keeps_the_batch_size():
     assert [prompt for prompt in prompts] == ["p1", "p1", "p1", "p1"]  # group 1 of round 0, group 1 of round 1
     assert [s["reward"] for s in scores] == [0.0, 1.0, 1.0, 0.0] and version == 7 and len(generations) == len(truths) == 4
     assert logged == {"train/dynamic_sampling_rounds": 1, "train/dynamic_sampling_informative_fraction": 0.5,
-                      "train/dynamic_sampling_sampled_reward": 0.5}  # 4 of the 8 sampled responses right; the kept ones 2 of 4
+                      "train/dynamic_sampling_sampled_reward": 0.5,  # 4 of the 8 sampled responses right; the kept ones 2 of 4
+                      "train/dynamic_sampling_sampled_tokens": 8}  # one token each, both rounds: the engine's work, not the batch's 4
 
     # bounded: after the last allowed round, tied groups fill the batch to its size
     prompts, _, _, scores, _, logged = fill_informative_groups(rounds.__getitem__, 2, 2, 0, SingleProcess())
     assert len(prompts) == 4 and [s["reward"] for s in scores] == [0.0, 1.0, 1.0, 1.0]
     assert logged["train/dynamic_sampling_rounds"] == 0 and logged["train/dynamic_sampling_sampled_reward"] == 0.75
+    assert logged["train/dynamic_sampling_sampled_tokens"] == 4
 
     # every group ties: the rounds run out, the batch keeps its size
     prompts, _, _, _, _, logged = fill_informative_groups(lambda _: _groups((0, 0), (1, 1)), 2, 2, 2, SingleProcess())
     assert len(prompts) == 4 and logged == {"train/dynamic_sampling_rounds": 2, "train/dynamic_sampling_informative_fraction": 0.0,
-                                            "train/dynamic_sampling_sampled_reward": 0.5}
+                                            "train/dynamic_sampling_sampled_reward": 0.5, "train/dynamic_sampling_sampled_tokens": 12}
 
 
 class _RecordingSampler:
@@ -266,7 +268,7 @@ def test_dynamic_sampling_prompts_oversample_round_zero_in_one_call():
     assert calls == [own + extra]
     assert prompts == ["q2", "q2", chosen, chosen] and truths[:2] == ["a2", "a2"] and [s["reward"] for s in scores] == [0.0, 1.0, 0.0, 1.0]
     assert logged == {"train/dynamic_sampling_rounds": 0, "train/dynamic_sampling_informative_fraction": 2 / 6,
-                      "train/dynamic_sampling_sampled_reward": 2 / 12}
+                      "train/dynamic_sampling_sampled_reward": 2 / 12, "train/dynamic_sampling_sampled_tokens": 12}
 
     # still short: an extra round draws --dynamic_sampling_prompts; the rounds run out, a tied group fills the batch
     calls, (prompts, *_, logged) = run(_informative_if(lambda i: i == 2))
@@ -302,7 +304,7 @@ def test_dynamic_sampling_never_samples_a_prompt_twice_in_a_step():
         # two ranks, two own prompts each: together they draw what one process draws, each extra once
         shares = []
         for rank in (0, 1):
-            ranks = SimpleNamespace(rank=rank, world_size=2, gather=lambda items, own=own: list(own), any_true=bool, mean=float)
+            ranks = SimpleNamespace(rank=rank, world_size=2, gather=lambda items, own=own: list(own), any_true=bool, mean=float, sum=float)
             sampler = _RecordingSampler()
             sample_and_grade(args, sampler, dataset, step, own[2 * rank : 2 * rank + 2], [], None, (), ranks, {}, never)
             shares.append(sampler.calls)
@@ -621,6 +623,9 @@ def test_cispo_with_dynamic_sampling_and_kl_in_the_reward(task, monkeypatch):
     assert [row["train/dynamic_sampling_rounds"] for row in rows] == [1, 1]
     assert [row["train/dynamic_sampling_informative_fraction"] for row in rows] == [0.25, 0.0]
     assert [row["train/dynamic_sampling_sampled_reward"] for row in rows] == [2 / 16, 0.0]  # every sampled response, both rounds
+    for row in rows:  # the engine's throughput counts both rounds' 16 responses, not the 8 the batch kept
+        assert row["train/dynamic_sampling_sampled_tokens"] > 8 * row["train/response_length"]
+        assert row["perf/rollout_tokens_per_s"] == pytest.approx(row["train/dynamic_sampling_sampled_tokens"] / row["perf/rollout_seconds"], rel=1e-6)
     assert rows[0]["train/kl_reward"] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
     assert rows[0]["train/grad_norm"] > 0 and rows[1]["train/kl_reward"] < 0  # it moved, and k1 of its own samples is positive here
     # the KL left the loss for the reward: step 2's task rewards all tie at 0, so its rewards are -kl_coef x KL, and
