@@ -30,7 +30,8 @@ runs on the first, each alone on its GPU (the host is shared). Writes
 on our GPU, each the recipe's train_rl command with FLAGS appended (argparse keeps a
 flag's last value, so FLAGS override the recipe's); `--rl_minutes` ends each RL run at
 the step whose training time reaches that many minutes (train_rl's --max_train_minutes:
-the run still saves and makes its final evaluation), so a sweep fits a time budget. Every RL run evaluates its start checkpoint as step 0 (`--evaluate_at_start`).
+the run still saves and makes its final evaluation), so a sweep fits a time budget; TRL
+gets the same limit (bench_trl.py's --max_train_minutes), and its last round is evaluated too. Every RL run evaluates its start checkpoint as step 0 (`--evaluate_at_start`).
 """
 
 import argparse
@@ -160,7 +161,7 @@ def main():
                         help="stop both RL runs this many minutes after the script started (what they logged by then is reported)")
     parser.add_argument("--rl_minutes", type=float, default=None,
                         help="end each of our RL runs at the step whose training time reaches this many minutes (train_rl --max_train_minutes: "
-                             "it still saves and evaluates; engine start and evaluations are not counted)")
+                             "it still saves and evaluates; engine start and evaluations are not counted), and TRL's the same way")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                         help="another RL run from the same start: the recipe's train_rl flags plus FLAGS (repeatable; runs after the recipe's own)")
     parser.add_argument("--recipe", action=argparse.BooleanOptionalAction, default=True, help="run the recipe's own RL run (rl) before the variants; --no-recipe without --variant runs TRL alone from the start checkpoint")
@@ -217,14 +218,9 @@ def main():
             one_rl(name, extra)
 
     def trl_rl():
-        steps, save_every = (2, 1) if args.tiny else (args.trl_steps, args.trl_save_every)
-        peer.run("trl", [sys.executable, str(REPO_ROOT / "bench" / "bench_trl.py"), "--workload", "gsm8k", "--model", str(start),
-                         "--data_dir", str(args.data_dir), "--out", str(args.out / "trl"), "--steps", str(steps), "--save_every", str(save_every),
-                         "--microbatch", str(args.trl_microbatch), "--device", args.device, *trl_flags(rl), *(["--tiny"] if args.tiny else [])], deadline)
-        for step in range(save_every, steps + 1, save_every):  # rollout steps; TRL names its checkpoints by optimizer step
-            checkpoint = args.out / "trl" / f"checkpoint-{step * optimizer_steps_per_rollout(rl)}"
-            if (checkpoint / "config.json").is_file():  # not when stopped at the deadline before this save
-                evaluate(peer, f"eval_trl_{step}", checkpoint, args)
+        peer.run("trl", trl_command(args, start), deadline)
+        for step, checkpoint in trl_checkpoints(args.out / "trl", rl):
+            evaluate(peer, f"eval_trl_{step}", checkpoint, args)
 
     with ThreadPoolExecutor(2) as pool:
         ours_done = pool.submit(our_rl)
@@ -237,6 +233,29 @@ def main():
                 print(f"TRL: {failure}", flush=True)
     ours_run = "rl" if args.recipe else variants[0][0] if variants else None  # None: TRL alone (--no-recipe)
     write_summary(args.out, args.model, args.gpus, rl, ours_run, variant_runs=[name for name, _ in variants])
+
+
+def trl_command(args, start: Path) -> list[str]:
+    """bench_trl.py's command line from `start`, with the recipe's settings and our run's time box."""
+    steps, save_every = (2, 1) if args.tiny else (args.trl_steps, args.trl_save_every)
+    command = [sys.executable, str(REPO_ROOT / "bench" / "bench_trl.py"), "--workload", "gsm8k", "--model", str(start), "--data_dir", str(args.data_dir),
+               "--out", str(args.out / "trl"), "--steps", str(steps), "--save_every", str(save_every), "--microbatch", str(args.trl_microbatch),
+               "--device", args.device, *trl_flags(args.rl)]
+    if args.rl_minutes:  # bench_trl ends after the round that reaches it and saves that round's checkpoint
+        command += ["--max_train_minutes", str(args.rl_minutes)]
+    return command + (["--tiny"] if args.tiny else [])
+
+
+def trl_checkpoints(trl_out: Path, rl: dict) -> list[tuple[int, Path]]:
+    """TRL's saved checkpoints as (rollout step, folder), in step order: every --trl_save_every
+    rounds and, time-boxed, the last round's (TRL names them by optimizer step; a save cut short
+    by the deadline has no config.json and is left out)."""
+    found = []
+    for folder in trl_out.glob("checkpoint-*"):
+        optimizer_step = folder.name.rpartition("-")[2]
+        if optimizer_step.isdigit() and (folder / "config.json").is_file():
+            found.append((int(optimizer_step) // optimizer_steps_per_rollout(rl), folder))
+    return sorted(found)
 
 
 def rl_command(args, start: Path, name: str) -> list[str]:

@@ -25,6 +25,8 @@ defaults that would make it another algorithm are set to train_rl's: no importan
 sampling correction of the vLLM/trainer gap (train_rl has none when synchronous), no
 gradient checkpointing. `--steps` and `--save_every` count generation rounds (train_rl's
 rollout steps); checkpoints, for `alignment.evaluate`, are named by TRL's optimizer step.
+`--max_train_minutes` ends the run after the generation round whose training time reaches
+it, as train_rl's flag does, and saves that round's checkpoint too.
 
 Numerics are TRL's defaults in both: the policy loaded in fp32 (`model_init_kwargs`
 default) and trained under bf16 autocast, i.e. fp32 master weights, as train_rl does.
@@ -42,6 +44,14 @@ from pathlib import Path
 from common import REPO_ROOT, build_checkpoint, gsm8k_questions, write_result
 
 
+def time_box_ends(elapsed_seconds: float, minutes: float | None, step: int, optimizer_steps_per_round: int, max_steps: int) -> bool:
+    """--max_train_minutes: whether training ends after optimizer step `step` (TRL's global step).
+
+    Only at the last optimizer step of a generation round (a round is never cut in two), once
+    `minutes` of training have passed, and not at the run's last step (it ends and saves anyway)."""
+    return bool(minutes) and elapsed_seconds >= 60 * minutes and step % optimizer_steps_per_round == 0 and step < max_steps
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=["w1", "gsm8k"], default="w1")
@@ -49,6 +59,8 @@ def main():
     parser.add_argument("--data_dir", default=str(REPO_ROOT / "data" / "gsm8k"))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save_every", type=int, default=0, help="gsm8k: save a checkpoint every N steps (0 = none)")
+    parser.add_argument("--max_train_minutes", type=float, default=None,
+                        help="gsm8k: end after the step whose training time reaches this many minutes, and save its checkpoint (train_rl's flag)")
     parser.add_argument("--tiny", action="store_true", help="small model or batch, short completions, no vLLM: a smoke run")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for the smoke run")
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench"))
@@ -69,6 +81,8 @@ def main():
     gsm8k.add_argument("--loss_type", choices=["grpo", "dr_grpo"], default="grpo", help="grpo: per-sequence mean; dr_grpo: sum / max_tokens")
     gsm8k.add_argument("--scale_rewards", choices=["group", "none"], default="group", help="divide by the group's reward std, or not")
     args = parser.parse_args()
+    if args.max_train_minutes is not None and args.max_train_minutes <= 0:
+        parser.error(f"--max_train_minutes {args.max_train_minutes:g}: give a positive number of minutes, or drop the flag")
 
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -153,7 +167,7 @@ def main():
             if logs and "reward" in logs:
                 self.rewards[state.global_step] = logs["reward"]
 
-        def on_step_end(self, _args, state, *_, **__):
+        def on_step_end(self, _args, state, control, **__):
             import torch
 
             now = time.perf_counter()
@@ -164,6 +178,11 @@ def main():
             timers.clear()
             with open(steps_log, "a") as handle:
                 handle.write(json.dumps(row) + "\n")
+            if time_box_ends(row["elapsed_seconds"], args.max_train_minutes, state.global_step, optimizer_steps_per_round, config.max_steps):
+                print(f"--max_train_minutes {args.max_train_minutes:g}: {row['elapsed_seconds'] / 60:.1f} minutes after optimizer step "
+                      f"{state.global_step} (rollout step {row['rollout_step']}); the run ends here", flush=True)
+                control.should_training_stop = True
+                control.should_save = args.workload == "gsm8k"  # the last round's weights, for alignment.evaluate
 
         def on_train_end(self, *_, **__):  # rewards are logged after on_step_end: add them to the rows now
             rows = [json.loads(line) for line in steps_log.read_text().splitlines()]

@@ -136,6 +136,36 @@ def test_gsm8k_recipe_time_box_is_train_rls_own_so_the_final_evaluation_stays(mo
     assert "--max_train_minutes" not in rl_command(args, tmp_path / "sft", "rl")
 
 
+def test_trl_time_box_ends_on_a_round_and_every_saved_checkpoint_is_evaluated(monkeypatch, tmp_path):
+    """--rl_minutes reaches TRL too: bench_trl ends after the generation round that reaches it (never inside one,
+    never after the last step, which ends anyway) and saves it; bench_gsm8k evaluates that checkpoint with the others."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    from argparse import Namespace
+
+    from bench_gsm8k import RL, trl_checkpoints, trl_command
+    from bench_trl import time_box_ends
+
+    assert time_box_ends(60.0, 1.0, 4, 2, 10) and time_box_ends(75.0, 1.0, 6, 2, 10)
+    assert not time_box_ends(59.9, 1.0, 4, 2, 10)  # not yet
+    assert not time_box_ends(60.0, 1.0, 5, 2, 10)  # inside a round of two optimizer steps
+    assert not time_box_ends(60.0, 1.0, 10, 2, 10) and not time_box_ends(1e9, None, 4, 2, 10)  # the last step; no time box
+    args = Namespace(out=tmp_path, data_dir=tmp_path / "data", rl=RL, tiny=False, trl_steps=60, trl_save_every=20, trl_microbatch=8,
+                     device="cuda", rl_minutes=14.5)
+    command = trl_command(args, tmp_path / "sft")
+    assert command[command.index("--max_train_minutes") + 1] == "14.5" and command[command.index("--steps") + 1] == "60"
+    assert command[command.index("--train_batch") + 1] == "128" and command[command.index("--loss_type") + 1] == "dr_grpo"
+    args.rl_minutes = None
+    assert "--max_train_minutes" not in trl_command(args, tmp_path / "sft")
+    # TRL names checkpoints by optimizer step, two per rollout step here: every 20 rounds, the time box's round 23,
+    # not a save cut short (no config.json) nor a folder of another name
+    for name, complete in (("checkpoint-80", True), ("checkpoint-40", True), ("checkpoint-46", True), ("checkpoint-60", False), ("checkpoint-x", True)):
+        (tmp_path / "trl" / name).mkdir(parents=True)
+        if complete:
+            (tmp_path / "trl" / name / "config.json").write_text("{}")
+    assert trl_checkpoints(tmp_path / "trl", RL) == [(20, tmp_path / "trl" / "checkpoint-40"), (23, tmp_path / "trl" / "checkpoint-46"),
+                                                     (40, tmp_path / "trl" / "checkpoint-80")]
+
+
 def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypatch, tmp_path, capsys):
     """--no-recipe without --variant runs TRL alone: the summary has TRL's evaluations, its rollout-step timings
     (two optimizer steps per rollout step, summed) and no run of ours."""
