@@ -44,6 +44,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench_trl import earlier_run
 from common import REPO_ROOT
 
 from alignment.plot import read_jsonl
@@ -183,6 +184,9 @@ def main():
     if args.summarize_only:
         write_summary(args.out, args.model, args.gpus, rl, args.rl_run, args.trl_dir)
         return
+    if args.trl and (found := earlier_run(args.out / "trl")):  # before SFT and our runs, not after them
+        raise SystemExit(f"--out {args.out}: {args.out / 'trl'} already holds a TRL run ({', '.join(found[:3])}); its checkpoints would mix "
+                         "with a new one's: pass a new --out, move that folder away, or add --no-trl")
     args.eval_num_examples = 8 if args.tiny else None  # None: the whole test split (1,319)
     args.eval_max_tokens = 32 if args.tiny else 1024
     args.device_name = "cpu" if args.device == "cpu" else "cuda:0"  # each lane sees its own GPU as cuda:0

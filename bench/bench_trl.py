@@ -44,6 +44,12 @@ from pathlib import Path
 from common import REPO_ROOT, build_checkpoint, gsm8k_questions, write_result
 
 
+def earlier_run(out: Path) -> list[str]:
+    """What a GSM8K run left in `out` (its checkpoints, its steps log): a new run there would
+    mix its checkpoints with these, and bench_gsm8k would evaluate both as one run's."""
+    return sorted(path.name for path in Path(out).glob("checkpoint-*")) + (["steps.jsonl"] if (Path(out) / "steps.jsonl").is_file() else [])
+
+
 def time_box_ends(elapsed_seconds: float, minutes: float | None, step: int, optimizer_steps_per_round: int, max_steps: int) -> bool:
     """--max_train_minutes: whether training ends after optimizer step `step` (TRL's global step).
 
@@ -83,6 +89,9 @@ def main():
     args = parser.parse_args()
     if args.max_train_minutes is not None and args.max_train_minutes <= 0:
         parser.error(f"--max_train_minutes {args.max_train_minutes:g}: give a positive number of minutes, or drop the flag")
+    if args.workload == "gsm8k" and (found := earlier_run(args.out)):
+        parser.error(f"--out {args.out} already holds a TRL run ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}); "
+                     "its checkpoints would mix with this run's: pass a new --out, or move that folder away")
 
     from datasets import Dataset
     from transformers import TrainerCallback

@@ -166,6 +166,25 @@ def test_trl_time_box_ends_on_a_round_and_every_saved_checkpoint_is_evaluated(mo
                                                      (40, tmp_path / "trl" / "checkpoint-80")]
 
 
+def test_trl_refuses_an_out_that_holds_an_earlier_run_before_any_work(tmp_path):
+    """A second TRL run into the same folder would mix its checkpoints with the first's (bench_gsm8k evaluates every
+    checkpoint-* it finds): bench_gsm8k stops before SFT, bench_trl before loading anything, each naming the folder."""
+    (tmp_path / "out" / "trl" / "checkpoint-40").mkdir(parents=True)
+    for script, flags in (("bench_gsm8k.py", ["--model", str(tmp_path / "none"), "--device", "cpu", "--tiny", "--no-base_eval"]),
+                          ("bench_trl.py", ["--workload", "gsm8k", "--model", str(tmp_path / "none")])):
+        out = tmp_path / "out" if script == "bench_gsm8k.py" else tmp_path / "out" / "trl"
+        result = subprocess.run([sys.executable, f"bench/{script}", "--out", str(out), *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode != 0 and "already holds a TRL run (checkpoint-40)" in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["trl"]  # no SFT, nothing written
+    # the steps log alone counts too: a run stopped before its first save
+    (tmp_path / "out" / "trl" / "checkpoint-40").rmdir()
+    (tmp_path / "out" / "trl" / "steps.jsonl").write_text("{}\n")
+    result = subprocess.run([sys.executable, "bench/bench_trl.py", "--out", str(tmp_path / "out" / "trl"), "--workload", "gsm8k",
+                             "--model", "x"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert "already holds a TRL run (steps.jsonl)" in result.stderr
+
+
 def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypatch, tmp_path, capsys):
     """--no-recipe without --variant runs TRL alone: the summary has TRL's evaluations, its rollout-step timings
     (two optimizer steps per rollout step, summed) and no run of ours."""
