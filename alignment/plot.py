@@ -2,11 +2,15 @@
 
     python -m alignment.plot runs/rl                  # writes runs/rl/curves.png
     python -m alignment.plot runs/demo/rl --out curves.png
+    python -m alignment.plot runs/rl runs/rl_seed1 --out compare.png   # runs side by side
 
 Reads the run folder's steps.jsonl (one line of scalars per step, written by train_rl)
 and evals.jsonl (one line per evaluation) and draws, against the step: train reward
 and format rate, held-out accuracy, response length, KL to the reference and the clip
-fraction, the sampler/trainer log-prob gap, and seconds per step. Headless (Agg).
+fraction, the sampler/trainer log-prob gap, and seconds per step. Given several run
+folders it draws them side by side instead, one line each: held-out accuracy against the
+step and against training minutes (the clock --max_train_minutes reads: evaluations left
+out), train reward and response length. Headless (Agg).
 """
 
 import argparse
@@ -33,6 +37,58 @@ def _series(rows: list[dict], key: str) -> tuple[list, list]:
     return [step for step, _ in points], [value for _, value in points]
 
 
+def training_minutes(steps: list[dict]) -> dict[int, float]:
+    """Minutes of training after each step (0 before step 1): the steps' seconds without their
+    evaluations, the clock train_rl's --max_train_minutes reads."""
+    minutes, total = {0: 0.0}, 0.0
+    for row in steps:
+        total += (row.get("perf/step_seconds") or 0.0) - (row.get("perf/eval_seconds") or 0.0)
+        minutes[row["step"]] = total / 60
+    return minutes
+
+
+def _steps_of(run_dir: Path) -> list[dict]:
+    steps = read_jsonl(run_dir / "steps.jsonl")
+    if not steps:
+        raise UserError(f"{run_dir / 'steps.jsonl'} has no steps; pass the folder of a train_rl run (<log_dir>/<run_name>)")
+    return steps
+
+
+def plot_runs(run_dirs, out) -> Path:
+    """Draw several runs side by side into `out`, one line per run, labelled by folder name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dirs = [Path(run_dir) for run_dir in run_dirs]
+    names = [run_dir.name for run_dir in run_dirs]
+    labels = names if len(set(names)) == len(names) else [f"{run_dir.parent.name}/{run_dir.name}" for run_dir in run_dirs]
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for run_dir, label in zip(run_dirs, labels):
+        steps, evals = _steps_of(run_dir), read_jsonl(run_dir / "evals.jsonl")
+        minutes = training_minutes(steps)
+        x, accuracy = _series(evals, "avg_all_rewards")
+        line = axes[0, 0].plot(x, accuracy, marker="o", markersize=3, label=label)[0]
+        axes[0, 1].plot([minutes.get(step, float("nan")) for step in x], accuracy, marker="o", markersize=3, color=line.get_color(), label=label)
+        for axis, key in ((axes[1, 0], "train/reward"), (axes[1, 1], "train/response_length")):
+            axis.plot(*_series(steps, key), color=line.get_color(), linewidth=1, label=label)
+    for axis, title, xlabel in ((axes[0, 0], "held-out accuracy (greedy)", "step"),
+                                (axes[0, 1], "held-out accuracy (greedy)", "training minutes (evaluations left out)"),
+                                (axes[1, 0], "reward (train rollouts)", "step"), (axes[1, 1], "response length (train, tokens)", "step")):
+        axis.set_title(title, fontsize=10)
+        axis.set_xlabel(xlabel, fontsize=8)
+        axis.tick_params(labelsize=8)
+        axis.grid(alpha=0.3)
+    axes[0, 1].legend(fontsize=7)
+    figure.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=80)
+    plt.close(figure)
+    return out
+
+
 def plot_run(run_dir, out=None, start_eval: dict | None = None) -> Path:
     """Draw `run_dir`'s curves into `out` (default <run_dir>/curves.png); returns the path.
 
@@ -45,11 +101,9 @@ def plot_run(run_dir, out=None, start_eval: dict | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    steps, evals = read_jsonl(run_dir / "steps.jsonl"), read_jsonl(run_dir / "evals.jsonl")
+    steps, evals = _steps_of(run_dir), read_jsonl(run_dir / "evals.jsonl")
     if start_eval:
         evals = [{**start_eval, "step": 0}, *evals]
-    if not steps:
-        raise UserError(f"{run_dir / 'steps.jsonl'} has no steps; pass the folder of a train_rl run (<log_dir>/<run_name>)")
     panels = [
         ("reward (train rollouts)", [("train/reward", "reward"), ("train/format_reward", "format rate")]),
         ("held-out accuracy (greedy)", [("avg_all_rewards", "accuracy"), ("format_reward", "format rate")]),
@@ -84,10 +138,13 @@ def plot_run(run_dir, out=None, start_eval: dict | None = None) -> Path:
 
 def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m alignment.plot", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", help="a train_rl run folder (<log_dir>/<run_name>), holding steps.jsonl")
-    parser.add_argument("--out", default=None, help="PNG to write; default <run_dir>/curves.png")
+    parser.add_argument("run_dir", nargs="+", help="a train_rl run folder (<log_dir>/<run_name>), holding steps.jsonl; several: side by side")
+    parser.add_argument("--out", default=None, help="PNG to write; default <run_dir>/curves.png, for several runs <first run's folder>/../compare.png")
     args = parser.parse_args(argv)
-    out = plot_run(args.run_dir, args.out)
+    if len(args.run_dir) == 1:
+        out = plot_run(args.run_dir[0], args.out)
+    else:
+        out = plot_runs(args.run_dir, args.out or Path(args.run_dir[0]).parent / "compare.png")
     print(f"wrote {out}")
     return out
 

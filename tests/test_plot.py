@@ -29,3 +29,27 @@ def test_plot_draws_a_run_and_skips_a_torn_line(tmp_path):
 def test_plot_of_a_folder_without_steps_is_one_line(tmp_path):
     with pytest.raises(UserError, match="has no steps; pass the folder of a train_rl run"):
         main([str(tmp_path)])
+
+
+def test_plot_of_several_runs_draws_them_side_by_side_against_training_minutes(tmp_path):
+    import matplotlib.image
+
+    from alignment.plot import training_minutes
+
+    # 3 s a step; the evaluation at step 2 took 2 of its 5 s: the training clock leaves it out
+    rows = [{"step": 1, "perf/step_seconds": 3.0, "perf/eval_seconds": 0.0}, {"step": 2, "perf/step_seconds": 5.0, "perf/eval_seconds": 2.0},
+            {"step": 3, "perf/step_seconds": 3.0, "perf/eval_seconds": None}]
+    assert training_minutes(rows) == {0: 0.0, 1: 3.0 / 60, 2: 6.0 / 60, 3: 9.0 / 60}
+    runs = []
+    for parent, reward in (("a", 0.2), ("b", 0.6)):  # the same run name in two log folders: labelled by both
+        run = tmp_path / parent / "rl"
+        run.mkdir(parents=True)
+        (run / "steps.jsonl").write_text("".join(json.dumps({**row, "train/reward": reward, "train/response_length": 40.0}) + "\n" for row in rows))
+        (run / "evals.jsonl").write_text("".join(json.dumps({"step": s, "avg_all_rewards": reward + 0.1 * s}) + "\n" for s in (0, 3)))
+        runs.append(str(run))
+    out = main(runs)
+    assert out == tmp_path / "a" / "compare.png"
+    image = matplotlib.image.imread(out)
+    assert image.shape[:2] == (640, 960) and image[..., :3].std() > 0.05  # 12 x 8 inches at 80 dpi
+    with pytest.raises(UserError, match="has no steps"):
+        main([runs[0], str(tmp_path)])
