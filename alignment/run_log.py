@@ -32,11 +32,11 @@ def timed(timings: dict, key: str):
 
 
 def step_scalars(args, progress: dict, reward_meta: dict, totals: dict, timings: dict, generated_tokens: int, learning_rate: float,
-                 peak_flops: float | None, sampled_tokens: int | None = None) -> dict:
+                 peak_flops: float | None, sampled_tokens: int) -> dict:
     """The step's scalars by TensorBoard name (NaN where the step did not measure one).
 
-    `generated_tokens`: the batch's response tokens; `sampled_tokens` (default the same): every
-    token the engine generated in the step, which --dynamic_sampling's dropped groups add to.
+    `generated_tokens`: the batch's response tokens; `sampled_tokens`: every token the engine
+    generated in the step, more than the batch's when --dynamic_sampling dropped groups.
 
     `totals` are update_policy's sums over the step's microbatches and optimizer steps;
     `timings` the step's seconds by phase (STEP_TIMINGS, "step", and with a sampler process
@@ -70,7 +70,7 @@ def step_scalars(args, progress: dict, reward_meta: dict, totals: dict, timings:
         "train/lr": learning_rate,
         "train/skipped_steps": progress["skipped_steps"],
         "train/zero_signal_batches": progress["zero_signal_batches"],
-        "perf/rollout_tokens_per_s": (generated_tokens if sampled_tokens is None else sampled_tokens) / max(timings["rollout"], 1e-9),
+        "perf/rollout_tokens_per_s": sampled_tokens / max(timings["rollout"], 1e-9),
         "perf/train_tokens_per_s": totals["tokens"] / max(timings["update"], 1e-9),
         "perf/step_seconds": timings["step"],
         # the update's model FLOPs over the policy GPUs' bf16 peak (n/a on a CPU unless --peak_tflops)
