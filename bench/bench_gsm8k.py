@@ -47,7 +47,7 @@ from pathlib import Path
 from bench_trl import earlier_run
 from common import REPO_ROOT
 
-from alignment.plot import read_jsonl
+from alignment.plot import read_jsonl, training_minutes
 
 # The RL settings both trainers get (why each, and the runs behind them: bench/RESULTS.md "GSM8K, a real model").
 RL = {
@@ -315,13 +315,11 @@ def read_ours(run_dir: Path) -> dict:
     steps, evals = read_jsonl(run_dir / "steps.jsonl"), read_jsonl(run_dir / "evals.jsonl")
     later = steps[1:] or steps  # step 1 pays the compile
     breakdown = {key: _median([row.get(f"perf/{key}_seconds") for row in later]) for key in ("step", "rollout", "reward", "logprobs", "update", "sync", "eval")}
-    # training time to each step, without the evaluations (TRL's run has none inside it)
-    elapsed, train_seconds = 0.0, {0: 0.0}  # step 0: --evaluate_at_start, before any training
-    for row in steps:
-        elapsed += row["perf/step_seconds"] - (row.get("perf/eval_seconds") or 0.0)
-        train_seconds[row["step"]] = elapsed
+    # training time to each step, without the evaluations (TRL's run has none inside it); step 0: --evaluate_at_start
+    minutes = training_minutes(steps)
+    total = max(minutes.items())[1]  # an evaluation after the last logged step: the whole run's
     return {"ours_evals": [{"step": e["step"], "accuracy": e["avg_all_rewards"], "format": e["format_reward"],
-                            "train_minutes": train_seconds.get(e["step"], elapsed) / 60} for e in evals],
+                            "train_minutes": minutes.get(e["step"], total)} for e in evals],
             "ours_median_seconds": breakdown, "ours_peak_memory_gib": max((row.get("perf/peak_memory_gib") or 0) for row in steps) if steps else None,
             "ours_train_reward": [(row["step"], row["train/reward"]) for row in steps]}
 
