@@ -3,14 +3,17 @@
     python -m alignment.plot runs/rl                  # writes runs/rl/curves.png
     python -m alignment.plot runs/demo/rl --out curves.png
     python -m alignment.plot runs/rl runs/rl_seed1 --out compare.png   # runs side by side
+    python -m alignment.plot bench/results/gsm8k_qwen15_h200_drgrpo_100steps.json:recipe_100_steps runs/rl
 
 Reads the run folder's steps.jsonl (one line of scalars per step, written by train_rl)
 and evals.jsonl (one line per evaluation) and draws, against the step: train reward
 and format rate, held-out accuracy, response length, KL to the reference and the clip
-fraction, the sampler/trainer log-prob gap, and seconds per step. Given several run
-folders it draws them side by side instead, one line each: held-out accuracy against the
-step and against training minutes (the clock --max_train_minutes reads: evaluations left
-out), train reward and response length. Headless (Agg).
+fraction, the sampler/trainer log-prob gap, and seconds per step. Given several runs it
+draws them side by side instead, one line each: held-out accuracy against the step and
+against training minutes (the clock --max_train_minutes reads: evaluations left out),
+train reward and response length. A run can also come from a benchmark's results file
+(bench/results/*.json, whose "runs" hold each run's steps and evals): FILE.json for all of
+its runs, FILE.json:NAME for one. Headless (Agg).
 """
 
 import argparse
@@ -54,19 +57,54 @@ def _steps_of(run_dir: Path) -> list[dict]:
     return steps
 
 
-def plot_runs(run_dirs, out) -> Path:
-    """Draw several runs side by side into `out`, one line per run, labelled by folder name."""
+def _split_source(source) -> tuple[Path, str | None]:
+    """FILE.json:NAME -> (FILE.json, NAME); anything else -> (its path, None)."""
+    file, separator, name = str(source).partition(".json:")
+    return (Path(file + ".json"), name) if separator else (Path(source), None)
+
+
+def _is_results_file(path: Path) -> bool:
+    return path.suffix == ".json" and not path.is_dir()
+
+
+def _results_runs(path: Path, name: str | None) -> list[tuple[str, str, list, list]]:
+    """(label, longer label, steps, evals) of the runs in a benchmark's results file, or of its run `name`."""
+    try:
+        runs = json.loads(path.read_text()).get("runs")
+    except (OSError, ValueError, AttributeError) as error:
+        raise UserError(f"{path} is not a results file that can be read ({str(error).splitlines()[0] if str(error) else 'no runs'})") from None
+    if not isinstance(runs, dict) or not all(isinstance(run, dict) and run.get("steps") for run in runs.values()):
+        raise UserError(f'{path} holds no runs with steps (a results file keeps them as "runs": {{name: {{"steps": [...], "evals": [...]}}}}); pass a train_rl run folder instead')
+    if name is not None and name not in runs:
+        raise UserError(f"{path} has no run {name!r}; its runs: {', '.join(runs)}")
+    return [(run_name, f"{path.stem}/{run_name}", run["steps"], run.get("evals") or []) for run_name, run in runs.items() if name in (None, run_name)]
+
+
+def load_runs(sources) -> list[tuple[str, list, list]]:
+    """(label, steps, evals) for every run the sources name: train_rl run folders, results files
+    (FILE.json: all its runs; FILE.json:NAME: one). Labels are run names, made longer (parent
+    folder or file) where two would be the same."""
+    runs = []
+    for source in sources:
+        path, name = _split_source(source)
+        if _is_results_file(path):
+            runs += _results_runs(path, name)
+        else:
+            runs.append((path.name, f"{path.parent.name}/{path.name}", _steps_of(path), read_jsonl(path / "evals.jsonl")))
+    names = [label for label, *_ in runs]
+    return [(label if names.count(label) == 1 else longer, steps, evals) for label, longer, steps, evals in runs]
+
+
+def plot_runs(sources, out) -> Path:
+    """Draw several runs side by side into `out`, one line per run (sources as `load_runs` takes them)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dirs = [Path(run_dir) for run_dir in run_dirs]
-    names = [run_dir.name for run_dir in run_dirs]
-    labels = names if len(set(names)) == len(names) else [f"{run_dir.parent.name}/{run_dir.name}" for run_dir in run_dirs]
+    runs = load_runs(sources)
     figure, axes = plt.subplots(2, 2, figsize=(12, 8))
-    for run_dir, label in zip(run_dirs, labels):
-        steps, evals = _steps_of(run_dir), read_jsonl(run_dir / "evals.jsonl")
+    for label, steps, evals in runs:
         minutes = training_minutes(steps)
         x, accuracy = _series(evals, "avg_all_rewards")
         line = axes[0, 0].plot(x, accuracy, marker="o", markersize=3, label=label)[0]
@@ -138,13 +176,15 @@ def plot_run(run_dir, out=None, start_eval: dict | None = None) -> Path:
 
 def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m alignment.plot", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", nargs="+", help="a train_rl run folder (<log_dir>/<run_name>), holding steps.jsonl; several: side by side")
+    parser.add_argument("run_dir", nargs="+", help="a train_rl run folder (<log_dir>/<run_name>), holding steps.jsonl; several: side by side; "
+                                                   "also a results file, FILE.json (all its runs) or FILE.json:NAME")
     parser.add_argument("--out", default=None, help="PNG to write; default <run_dir>/curves.png, for several runs <first run's folder>/../compare.png")
     args = parser.parse_args(argv)
-    if len(args.run_dir) == 1:
-        out = plot_run(args.run_dir[0], args.out)
+    first = _split_source(args.run_dir[0])[0]
+    if len(args.run_dir) == 1 and not _is_results_file(first):
+        out = plot_run(first, args.out)
     else:
-        out = plot_runs(args.run_dir, args.out or Path(args.run_dir[0]).parent / "compare.png")
+        out = plot_runs(args.run_dir, args.out or first.parent / "compare.png")
     print(f"wrote {out}")
     return out
 

@@ -53,3 +53,35 @@ def test_plot_of_several_runs_draws_them_side_by_side_against_training_minutes(t
     assert image.shape[:2] == (640, 960) and image[..., :3].std() > 0.05  # 12 x 8 inches at 80 dpi
     with pytest.raises(UserError, match="has no steps"):
         main([runs[0], str(tmp_path)])
+
+
+def test_runs_come_from_folders_and_from_a_benchmarks_results_file(tmp_path):
+    import matplotlib.image
+
+    from alignment.plot import load_runs
+
+    def steps(reward):
+        return [{"step": s, "train/reward": reward, "perf/step_seconds": 2.0} for s in (1, 2)]
+
+    results = tmp_path / "results" / "bench.json"
+    results.parent.mkdir()
+    results.write_text(json.dumps({"date": "d", "runs": {"seed42": {"steps": steps(0.3), "evals": [{"step": 2, "avg_all_rewards": 0.5}]},
+                                                         "seed1": {"steps": steps(0.4), "evals": [{"step": 2, "avg_all_rewards": 0.6}]}}}))
+    folder = tmp_path / "runs" / "seed1"  # a run folder named like one of the file's runs
+    folder.mkdir(parents=True)
+    (folder / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in steps(0.9)))
+    runs = load_runs([results, folder])
+    assert [label for label, *_ in runs] == ["seed42", "bench/seed1", "runs/seed1"]  # equal names made longer
+    assert [row["train/reward"] for row in runs[1][1]] == [0.4, 0.4] and runs[1][2] == [{"step": 2, "avg_all_rewards": 0.6}]
+    assert runs[2][1] == steps(0.9) and runs[2][2] == []
+    assert [(label, evals) for label, _, evals in load_runs([f"{results}:seed1"])] == [("seed1", [{"step": 2, "avg_all_rewards": 0.6}])]
+    out = main([str(results)])  # one file of two runs: drawn side by side, beside the file
+    assert out == results.parent / "compare.png" and matplotlib.image.imread(out)[..., :3].std() > 0.05
+    with pytest.raises(UserError, match=r"bench.json has no run 'seed7'; its runs: seed42, seed1"):
+        main([f"{results}:seed7"])
+    (tmp_path / "summary.json").write_text(json.dumps({"accuracy": 0.5}))
+    with pytest.raises(UserError, match="summary.json holds no runs with steps"):
+        main([str(tmp_path / "summary.json")])
+    (tmp_path / "torn.json").write_text('{"runs": {"a"')
+    with pytest.raises(UserError, match="torn.json is not a results file that can be read"):
+        main([str(tmp_path / "torn.json")])
