@@ -21,6 +21,7 @@ for the seed's one-process layer partition, where every call is a no-op.
 """
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -128,8 +129,27 @@ class TorchDistributed(SingleProcess):
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def close(self) -> None:
+        """Every rank leaves together: none exits while rank 0 still writes the run's last files.
+
+        Then a pause with the GIL released: gloo's worker threads free the last collectives'
+        tensors after those complete, and freeing a tensor Python made takes the GIL. A rank
+        whose interpreter began shutting down first aborted ("terminate called without an
+        active exception", SIGABRT in ~AsyncAllgatherCoalescedWork, in ~1.5% of two-rank
+        launches on a loaded CPU), and torchrun then killed the other ranks mid-write.
+        """
         if dist.is_initialized():
-            dist.destroy_process_group()
+            dist.barrier()
+            dist.destroy_process_group()  # a backend's worker threads live on while the model's device mesh holds it
+            time.sleep(0.5)
+
+
+def check_launch(args) -> None:
+    """Several processes (torchrun) train one policy only under --policy_parallel fsdp."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and args.policy_parallel != "fsdp":
+        raise UserError(f"a launch of {world_size} processes (torchrun) needs --policy_parallel fsdp: with --policy_parallel {args.policy_parallel} "
+                        f"every rank would train a copy of its own and write the same logs and checkpoint; pass --policy_parallel fsdp, "
+                        f"or start one process (python -m alignment.train_rl)")
 
 
 def setup(args):

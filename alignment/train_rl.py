@@ -376,6 +376,7 @@ def drop_samples(metrics: dict) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_rl_args(argv)
+    distributed.check_launch(args)
     for flag in ("checkpoint_path", "state_dir", "tmp_checkpoint_path"):  # the folders a save swaps in by renaming
         setattr(args, flag, real_output_path(getattr(args, flag), f"--{flag}"))
     sft_args = build_sft_parser().parse_args([])  # the seed parses both; RL starts where SFT saved

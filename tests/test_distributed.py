@@ -45,6 +45,28 @@ def test_two_rank_fsdp_step_equals_one_process_step(tiny_checkpoint, tmp_path, m
     assert len(changed) > len(start) // 2  # the step really moved the weights
 
 
+CLOSE_CHECK = """
+import sys, time
+from pathlib import Path
+from alignment.distributed import TorchDistributed
+
+ranks, written = TorchDistributed(), Path(sys.argv[1])
+if ranks.is_main:  # rank 0 still writing the run's last files
+    time.sleep(1.0)
+    written.write_text("done")
+ranks.close()
+assert written.exists(), f"rank {ranks.rank} left before rank 0 had written its files"
+"""
+
+
+def test_no_rank_leaves_close_before_rank_0_has_written(tmp_path):
+    """A rank that exited early once aborted at interpreter shutdown, and torchrun killed rank 0 mid-write."""
+    script = tmp_path / "close_check.py"
+    script.write_text(CLOSE_CHECK)
+    run([*TORCHRUN, str(script), str(tmp_path / "written")])
+    assert (tmp_path / "written").read_text() == "done"
+
+
 def run_flags(task, tmp_path, name, *extra):
     """train_rl flags for a two-step-sized run on the tiny task; `extra` sets backend, layout and steps."""
     return train_rl_flags(task, name, "--train_mini_batch_size", "4", "--sampling_max_tokens", "12", "--eval_max_tokens", "12",
@@ -205,6 +227,25 @@ def test_rank_shares_cover_every_item_once():
             shares = [rank_slice(list(range(count)), Rank(r, world_size)) for r in range(world_size)]
             assert [item for share in shares for item in share] == list(range(count))
             assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_a_torchrun_launch_without_fsdp_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """Without --policy_parallel fsdp every rank trained a copy of its own; ranks other than 0 took no lock and
+    appended their steps to rank 0's steps.jsonl and replaced its checkpoint."""
+    from alignment import train_rl
+    from alignment.errors import run_cli
+
+    task = make_tiny_task(tmp_path, num_train=8, num_test=4, seed=3)
+    capsys.readouterr()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exited:
+        run_cli(train_rl.main, train_rl_flags(task, "no_fsdp", "--max_steps", "1"))
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == ("error: a launch of 2 processes (torchrun) needs --policy_parallel fsdp: with --policy_parallel layers "
+                                               "every rank would train a copy of its own and write the same logs and checkpoint; pass "
+                                               "--policy_parallel fsdp, or start one process (python -m alignment.train_rl)")
+    assert not (tmp_path / "runs" / "no_fsdp").exists() and not (tmp_path / "no_fsdp").exists()
 
 
 def test_evaluation_under_torchrun_gives_a_frozen_sampler_its_start_weights_back(tmp_path):
