@@ -26,8 +26,8 @@ the run and the id of the run that wrote it). So the tool
   refused before anything loads (`check_distinct_outputs`);
 - finds a damaged file (truncated, zeroed, deleted) before using it (`verify_manifest`,
   `check_saved_model`, which also reads a foreign checkpoint's safetensors headers);
-- writes a marker into each log folder it uses, and refuses a folder of the user's
-  (`claim_log_folder`).
+- writes a marker into each log folder it uses, and refuses a folder of the user's, or
+  one holding another training run's logs (`claim_log_folder`).
 `OutputLock` keeps a second run off the same paths (an exclusive `flock` on the lock
 file, released by the kernel when the process dies, so never stale), and the swap
 itself is serialised per path, within a process and across processes.
@@ -145,11 +145,15 @@ def check_distinct_outputs(paths_and_flags) -> None:
         resolved.append((real, flag))
 
 
-def claim_log_folder(folder, flag: str) -> None:
+def claim_log_folder(folder, flag: str, run_id: str | None = None, resuming: bool = False) -> None:
     """A log folder (TensorBoard events, steps.jsonl, metrics) is new, empty or marked as ours.
 
     A folder holding files without our marker is the user's: refused, since a run overwrites
-    steps.jsonl, evals.jsonl and the final metrics there. Otherwise the marker is written.
+    steps.jsonl, evals.jsonl and the final metrics there. A training run (`run_id`) also
+    refuses a folder holding another run's logs: its steps.jsonl would be emptied and its
+    curves mixed with the new run's in TensorBoard. Only the run that wrote them (the same
+    id, a resumed run) continues them; a marker without an id predates ids and is taken as
+    the resumed run's. Otherwise the marker is written, with the run's id.
     """
     folder = Path(folder)
     marker = folder / LOG_MARKER_NAME
@@ -157,10 +161,38 @@ def claim_log_folder(folder, flag: str) -> None:
         raise UserError(f"{flag} {folder} is a file, not a folder; pass another --log_dir or --run_name (nothing was changed)")
     if folder.is_dir() and not _is_empty_folder(folder) and not marker.is_file():
         raise UserError(f"{flag} {folder} holds files this tool did not write; pass another --log_dir or --run_name, or move them away (nothing was changed)")
+    owner = _read_json(marker).get("run_id", "") if marker.is_file() else None
+    earlier = _run_logs(folder) if run_id is not None and owner != run_id and not (owner == "" and resuming) else None
+    if earlier:
+        raise UserError(f"{flag} {folder} holds the logs of an earlier run ({earlier}); pass another --run_name, "
+                        f"or remove {folder} to replace them (nothing was changed)")
     check_writable(folder, flag)
-    if not marker.is_file():
+    if owner is None or (run_id is not None and owner != run_id):
         folder.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"written_by": WRITER, "kind": "log_folder"}) + "\n")
+        marker.write_text(json.dumps({"written_by": WRITER, "kind": "log_folder", **({"run_id": run_id} if run_id else {})}) + "\n")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _run_logs(folder: Path) -> str:
+    """What a log folder holds of a training run's results, in words ("steps 1-40 in steps.jsonl"), or ""."""
+    steps = []
+    if (folder / "steps.jsonl").is_file():
+        for line in (folder / "steps.jsonl").read_text(errors="replace").splitlines():
+            try:
+                steps.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    if steps:
+        return f"steps {min(steps)}-{max(steps)} in steps.jsonl"
+    # TensorBoard files alone do not count: a run that failed before its first step leaves one
+    return ", ".join(name for name in ("evals.jsonl", "final_eval_metrics.json") if (folder / name).is_file() and (folder / name).stat().st_size)
 
 
 def check_writable(folder, flag: str, target=None) -> None:
@@ -439,18 +471,19 @@ def remove_output(path, kind: str, run_id: str | None = None) -> bool:
     return True
 
 
-def save_model_atomically(model, tokenizer, path, kind: str, state_dict=None) -> Path:
+def save_model_atomically(model, tokenizer, path, kind: str, state_dict=None, record: dict | None = None) -> Path:
     """`save_pretrained` of model and tokenizer into `path`, atomically, with a manifest of `kind`.
 
     The result is an ordinary Hugging Face folder that transformers and vLLM load.
-    `state_dict` overrides the model's own (full weights gathered from FSDP shards).
+    `state_dict` overrides the model's own (full weights gathered from FSDP shards);
+    `record` adds fields to the manifest (an RL checkpoint's step and the run's last step).
     """
 
     def write(folder):
         model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(folder)
 
-    return write_atomically(path, write, kind=kind)
+    return write_atomically(path, write, kind=kind, record=record)
 
 
 def check_saved_model(path, what: str) -> None:

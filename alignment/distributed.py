@@ -191,11 +191,12 @@ def rank_slice(items: list, ranks) -> list:
     return items[start:stop]
 
 
-def save_policy(ranks, model, tokenizer, path) -> None:
-    """Gather the full weights (a collective under torchrun); rank 0 writes the HF folder."""
+def save_policy(ranks, model, tokenizer, path, step: int, total_steps: int) -> None:
+    """Gather the full weights (a collective under torchrun); rank 0 writes the HF folder, its
+    manifest saying after which step of how many (an epoch's checkpoint of a longer run, or the result)."""
     state_dict = ranks.full_state_dict_on_main(model)
     if ranks.is_main:
-        save_model_atomically(model, tokenizer, path, "rl_checkpoint", state_dict=state_dict)
+        save_model_atomically(model, tokenizer, path, "rl_checkpoint", state_dict=state_dict, record={"step": step, "total_steps": total_steps})
     ranks.barrier()
 
 

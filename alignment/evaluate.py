@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from alignment.args import check_checkpoint, parse_eval_args
-from alignment.checkpoint import OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder
+from alignment.checkpoint import OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, read_manifest
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -165,6 +165,11 @@ def evaluate_checkpoint(args) -> dict:
     from alignment.devices import resolve_role_devices
 
     print(f"{args.checkpoint_path} already holds weights: evaluating it (no training)")
+    saved = read_manifest(args.checkpoint_path) or {}
+    saved_at = {key: saved[key] for key in ("step", "total_steps") if isinstance(saved.get(key), int)}
+    if len(saved_at) == 2 and saved_at["step"] < saved_at["total_steps"]:
+        print(f"note: {args.checkpoint_path} is the policy after step {saved_at['step']} of {saved_at['total_steps']} (an epoch's checkpoint of a run "
+              f"that stopped before its end, with no training state to resume): not that run's result; remove it to train from the start")
     device = args.eval_device if args.layout == "explicit" else resolve_role_devices(args, 1)["eval"]
     engine = build_engine(args.rollout_backend, args.checkpoint_path, device, resolve_dtype(args.dtype, device), args.seed, args)
     eval_set = Gsm8kDataset(args.eval_split, args.data_dir, limit=args.eval_num_examples)
@@ -174,7 +179,8 @@ def evaluate_checkpoint(args) -> dict:
     engine.close()
     run_dir = Path(args.log_dir) / args.run_name
     write_jsonl(run_dir / "eval_only_samples.jsonl", metrics.pop("samples"))
-    write_json(run_dir / "eval_only_metrics.json", {**metrics, "checkpoint_path": str(args.checkpoint_path)})
+    write_json(run_dir / "eval_only_metrics.json", {**metrics, "checkpoint_path": str(args.checkpoint_path),
+                                                    **{f"checkpoint_{key}": value for key, value in saved_at.items()}})
     writer = SummaryWriter(str(run_dir))
     for key in ("avg_all_rewards", "format_reward", "answer_reward", "mean_response_tokens", *(k for k in metrics if k.startswith("pass@"))):
         writer.add_scalar(f"eval_only/{key}", metrics[key], 0)
@@ -233,10 +239,12 @@ def _evaluate(args, dataset, output_dir) -> dict:
     import torch
 
     torch.manual_seed(args.seed)
-    metrics = evaluate_math(engine, r1_zero_reward_fn, dataset.prompts, dataset.ground_truths, SamplingSettings.from_args(args, ""), samples_path=output_dir / "samples.jsonl")
+    metrics = evaluate_math(engine, r1_zero_reward_fn, dataset.prompts, dataset.ground_truths, SamplingSettings.from_args(args, ""))
     metrics = add_pass_at_k(metrics, engine, dataset.prompts, dataset.ground_truths, args, "")
     engine.close()
-    metrics.pop("samples")
+    # both files at the end, one after the other: an evaluation stopped in its pass@k sampling (minutes)
+    # once left its samples beside the previous evaluation's metrics.json
+    write_jsonl(output_dir / "samples.jsonl", metrics.pop("samples"))
     metrics.update(model_path=str(args.model_path), split=args.split, backend=args.backend, temperature=args.temperature, max_tokens=args.max_tokens)
     write_json(output_dir / "metrics.json", metrics)
     print(format_metrics_table(metrics, f"{args.model_path} on {args.split} ({args.backend})"))

@@ -11,11 +11,14 @@ writes nothing).
 
 import json
 import math
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from alignment.errors import UserError
 
 NAN = float("nan")  # what a step did not measure is n/a: not written to TensorBoard, null in steps.jsonl
 STEP_TIMINGS = ("rollout", "reward", "logprobs", "update", "sync", "eval")
@@ -168,4 +171,14 @@ def trim_jsonl(log: Path, last_step: int, say=print) -> None:
             torn += 1
     if torn:
         say(f"note: dropped {torn} unreadable line(s) of {log} (a crash cut them short)")
-    log.write_text("".join(line + "\n" for line in kept))
+    # written beside it, then renamed over it: a full disk or a kill mid-write leaves the old log whole
+    temp = log.with_name(f".{log.name}.alignment-tmp")
+    try:
+        with open(temp, "w") as handle:
+            handle.write("".join(line + "\n" for line in kept))
+            handle.flush()
+            os.fsync(handle.fileno())
+        temp.replace(log)
+    except OSError as error:
+        temp.unlink(missing_ok=True)
+        raise UserError(f"cannot rewrite {log} to step {last_step} ({error.strerror or error}); it is unchanged: free some space and run again") from None

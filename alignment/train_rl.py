@@ -336,21 +336,22 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         # 7. save: the policy after each pass over the data (seed), a training state every
         # --save_state_every steps and when a signal asks to stop
         if step % steps_per_epoch == 0:
-            save_policy(ranks, model, tokenizer, args.checkpoint_path)
+            save_policy(ranks, model, tokenizer, args.checkpoint_path, step, total_steps)
             say(f"epoch {step // steps_per_epoch - 1} done: saved policy to {args.checkpoint_path}")
         stopping = ranks.any_true(stop.received is not None)
         if args.save_state_every and (step % args.save_state_every == 0 or stopping):
             save_state(args, ranks, model, tokenizer, optimizer, scheduler, {**progress, "epoch": (step - 1) // steps_per_epoch}, run)
-        if stopping:
+        if stopping:  # every rank agreed, so every rank leaves together
             log.close()
-            raise RunStopped(f"stopped by {stop.name} after step {step}: {resume_hint(args.state_dir)}", stop.exit_code)
+            ranks.close()
+            raise RunStopped(f"stopped by {stop.name} after step {step}: {resume_hint(args)}", stop.exit_code)
         if step == total_steps:
             break
 
     # the final weights are saved before the final evaluation: a run that has trained keeps them whatever
     # happens during the evaluation (minutes on GSM8K; a scheduler's SIGKILL after its grace period)
     if total_steps % steps_per_epoch:  # stopped mid-epoch (--max_steps); at an epoch's end step 7 saved them
-        save_policy(ranks, model, tokenizer, args.checkpoint_path)
+        save_policy(ranks, model, tokenizer, args.checkpoint_path, total_steps, total_steps)
         say(f"saved RL checkpoint to {args.checkpoint_path}")
     eval_metrics, _ = evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, total_steps)
     log.evaluation(total_steps, eval_metrics, args.num_logged_rollouts)
@@ -363,10 +364,13 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     return drop_samples(eval_metrics)
 
 
-def resume_hint(state_dir) -> str:
-    """What a stopped run leaves to continue from: its last training state and the command, or nothing."""
-    if has_training_state(state_dir):
-        return f"the training state of step {state_step(state_dir)} is in {state_dir}; continue with:\n  {resume_command(None)}"
+def resume_hint(args) -> str:
+    """What a stopped run leaves to continue from: its last training state and the command, or what a rerun does."""
+    if has_training_state(args.state_dir):
+        return f"the training state of step {state_step(args.state_dir)} is in {args.state_dir}; continue with:\n  {resume_command(None)}"
+    if has_weights(args.checkpoint_path):  # an epoch's checkpoint: the seed's rule would evaluate it, not train on
+        return (f"no training state was saved (--save_state_every 0); {args.checkpoint_path} holds the policy of an earlier epoch, "
+                f"which a rerun only evaluates: remove it to start over")
     return "no training state was saved (--save_state_every 0), so a rerun starts over"
 
 
@@ -447,11 +451,11 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
     run = run_record(args, train_data_sha256, run_id, start_sha256)  # the flags as given, before devices are resolved
     with OutputLock(locks if writes else []), StopOnSignal() as stop:
         if writes:
-            claim_log_folder(run_dir, "--log_dir/--run_name")
+            claim_log_folder(run_dir, "--log_dir/--run_name", run["run_id"], resuming=args.resume and has_training_state(args.state_dir))
         try:
             return train(args, base_model_checkpoint_path, run, stop)
         except SamplerProcessError as error:
-            raise RunStopped(f"the sampler process stopped ({str(error).splitlines()[0]}); {resume_hint(args.state_dir)}",
+            raise RunStopped(f"the sampler process stopped ({str(error).splitlines()[0]}); {resume_hint(args)}",
                              stop.exit_code if stop.received else 1) from None
 
 

@@ -187,6 +187,13 @@ def main():
     if args.trl and (found := earlier_run(args.out / "trl")):  # before SFT and our runs, not after them
         raise SystemExit(f"--out {args.out}: {args.out / 'trl'} already holds a TRL run ({', '.join(found[:3])}); its checkpoints would mix "
                          "with a new one's: pass a new --out, move that folder away, or add --no-trl")
+    for name in (["rl"] if args.recipe else []) + [name for name, _ in variants]:
+        # train_rl would only evaluate the checkpoint there (the seed's rule) and the summary report the earlier run's curves
+        if found := [str(path) for path in (args.out / name, args.out / "runs" / name) if path.exists()]:
+            raise SystemExit(f"--out {args.out}: our run {name} has run there already ({', '.join(found)}); the summary would report that run: "
+                             "pass a new --out, move those folders away, or name the variant otherwise")
+    if (args.out / "sft" / "config.json").is_file():
+        print(f"reusing the SFT checkpoint in {args.out / 'sft'} (remove it to train SFT again)", flush=True)
     args.eval_num_examples = 8 if args.tiny else None  # None: the whole test split (1,319)
     args.eval_max_tokens = 32 if args.tiny else 1024
     args.device_name = "cpu" if args.device == "cpu" else "cuda:0"  # each lane sees its own GPU as cuda:0

@@ -183,6 +183,16 @@ def test_trl_refuses_an_out_that_holds_an_earlier_run_before_any_work(tmp_path):
     result = subprocess.run([sys.executable, "bench/bench_trl.py", "--out", str(tmp_path / "out" / "trl"), "--workload", "gsm8k",
                              "--model", "x"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert "already holds a TRL run (steps.jsonl)" in result.stderr
+    # ours alike: a rerun of the recipe into the same --out only evaluated the earlier checkpoint and summarised the earlier curves
+    (tmp_path / "out" / "trl" / "steps.jsonl").unlink()
+    for earlier in (tmp_path / "out" / "runs" / "fast", tmp_path / "out" / "rl"):
+        earlier.mkdir(parents=True)
+        result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--out", str(tmp_path / "out"), "--model", str(tmp_path / "none"), "--device", "cpu",
+                                 "--tiny", "--no-trl", "--no-base_eval", *(["--no-recipe"] if "fast" in str(earlier) else []), "--variant", "fast=--learning_rate 1e-5"],
+                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        name = "fast" if "fast" in str(earlier) else "rl"
+        assert result.returncode != 0 and f"our run {name} has run there already ({earlier})" in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr and not (tmp_path / "out" / "sft").exists()
 
 
 def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypatch, tmp_path, capsys):

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -337,6 +338,36 @@ def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(pipeline
     assert steps == list(range(1, 7))
 
 
+def test_an_epochs_checkpoint_of_a_stopped_run_is_not_taken_for_its_result(tmp_path, monkeypatch, capsys):
+    """--num_epochs 3, no training state, stopped after the first epoch's save: the stop message said a rerun
+    starts over, and the rerun evaluated that checkpoint (the seed's rule) as if it were the run's result."""
+    from alignment.errors import RunStopped
+
+    task = make_tiny_task(tmp_path, num_train=8, num_test=4, seed=4)  # 4 prompts a step: 2 steps an epoch
+    real_save = train_rl.save_policy
+
+    def save_then_signal(*args):
+        real_save(*args)
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would, right after epoch 0's save
+
+    monkeypatch.setattr(train_rl, "save_policy", save_then_signal)
+    argv = train_rl_flags(task, "epochs", "--num_epochs", "3")
+    with pytest.raises(RunStopped, match=r"stopped by SIGTERM after step 2: no training state was saved \(--save_state_every 0\); "
+                                         r".*epochs/rl holds the policy of an earlier epoch, which a rerun only evaluates: remove it to start over"):
+        train_rl.main(argv)
+    assert {k: read_manifest(task.root / "epochs" / "rl")[k] for k in ("step", "total_steps")} == {"step": 2, "total_steps": 6}
+    monkeypatch.setattr(train_rl, "save_policy", real_save)
+    capsys.readouterr()
+    train_rl.main(argv)
+    assert re.search(r"note: .*epochs/rl is the policy after step 2 of 6 \(an epoch's checkpoint of a run that stopped before its end", capsys.readouterr().out)
+    written = json.loads((task.root / "runs" / "epochs" / "eval_only_metrics.json").read_text())
+    assert (written["checkpoint_step"], written["checkpoint_total_steps"]) == (2, 6)
+    shutil.rmtree(task.root / "epochs" / "rl")
+    shutil.rmtree(task.root / "runs" / "epochs")
+    train_rl.main(argv)  # the whole run: its checkpoint is the result
+    assert {k: read_manifest(task.root / "epochs" / "rl")[k] for k in ("step", "total_steps")} == {"step": 6, "total_steps": 6}
+
+
 # ----------------------------------------------------------- 8. safe loading
 
 
@@ -453,9 +484,60 @@ def test_a_users_log_folder_is_refused_and_ours_is_reused(pipeline):
                        "--max_tokens", "4", "--output_dir", str(logs)])
     assert snapshot(logs) == {"steps.jsonl": b'{"my": "experiment"}\n', "final_eval_metrics.json": b"{}"}
     train_rl.main(flags(pipeline, "ours_log", "--max_steps", "1"))
-    (pipeline.root / "ours_log" / "rl").rename(pipeline.root / "ours_log" / "first")  # the same run name again: the folder is ours
-    train_rl.main(flags(pipeline, "ours_log", "--max_steps", "1"))
-    assert (pipeline.root / "runs" / "ours_log" / checkpoint.LOG_MARKER_NAME).is_file()
+    ours = pipeline.root / "runs" / "ours_log"
+    first_run_id = json.loads((ours / checkpoint.LOG_MARKER_NAME).read_text())["run_id"]
+    # the same run name again with a new checkpoint (the second seed, --run_name forgotten): its steps.jsonl
+    # was emptied and both runs' curves shared one TensorBoard run; now refused, the first run's logs untouched
+    (pipeline.root / "ours_log" / "rl").rename(pipeline.root / "ours_log" / "first")
+    before = snapshot(ours)
+    with pytest.raises(UserError, match=r"--log_dir/--run_name .*runs/ours_log holds the logs of an earlier run \(steps 1-1 in steps.jsonl\); "
+                                         r"pass another --run_name, or remove .*ours_log to replace them"):
+        train_rl.main(flags(pipeline, "ours_log", "--max_steps", "1", "--seed", "1"))
+    assert snapshot(ours) == before
+    shutil.rmtree(ours)
+    train_rl.main(flags(pipeline, "ours_log", "--max_steps", "1", "--seed", "1"))
+    assert json.loads((ours / checkpoint.LOG_MARKER_NAME).read_text())["run_id"] != first_run_id
+    assert [row["step"] for row in steps_log(pipeline, "ours_log")] == [1]
+    # the first checkpoint evaluated into the same folder (the seed's rule): allowed, it is not a training run
+    checkpoint.claim_log_folder(ours, "--log_dir/--run_name")
+
+
+def test_a_log_folder_continues_only_with_the_run_that_wrote_it(tmp_path):
+    """claim_log_folder for a training run: its own id continues; another id, or none, is refused once the folder holds logs."""
+    logs = tmp_path / "rl"
+    checkpoint.claim_log_folder(logs, "--log_dir/--run_name", "run-a")
+    assert json.loads((logs / checkpoint.LOG_MARKER_NAME).read_text())["run_id"] == "run-a"
+    checkpoint.claim_log_folder(logs, "--log_dir/--run_name", "run-b")  # nothing logged yet: taken over
+    (logs / "events.out.tfevents.1.host").write_bytes(b"x")  # run-b failed before its first step: no logs of a run
+    checkpoint.claim_log_folder(logs, "--log_dir/--run_name", "run-c")
+    (logs / "evals.jsonl").write_text('{"step": 0, "avg_all_rewards": 0.5}\n')  # run-c's --evaluate_at_start (step 0)
+    with pytest.raises(UserError, match=r"holds the logs of an earlier run \(evals.jsonl\)"):
+        checkpoint.claim_log_folder(logs, "--log_dir/--run_name", "run-e")
+    checkpoint.claim_log_folder(logs, "--log_dir/--run_name", "run-c")  # the run that wrote them, resumed
+    (logs / checkpoint.LOG_MARKER_NAME).write_text(json.dumps({"written_by": "alignment", "kind": "log_folder"}))  # before run ids
+    (logs / "steps.jsonl").write_text('{"step": 3}\n{"step": 4}\n{"ste')
+    with pytest.raises(UserError, match=r"earlier run \(steps 3-4 in steps.jsonl\)"):
+        checkpoint.claim_log_folder(logs, "--log_dir/--run_name", "run-d")
+    checkpoint.claim_log_folder(logs, "--log_dir/--run_name", "run-d", resuming=True)  # taken as the resumed run's
+    assert json.loads((logs / checkpoint.LOG_MARKER_NAME).read_text())["run_id"] == "run-d"
+
+
+def test_trimming_the_steps_log_on_a_full_disk_keeps_it_whole(tmp_path):
+    """--resume rewrites steps.jsonl to the saved step; in place, a full disk left it cut short. Here the file-size limit plays the full disk."""
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps({"step": step, "train/reward": 0.5, "pad": "x" * 200}) + "\n" for step in range(1, 41)))
+    before = log.read_bytes()
+    child = (f"import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))\n"
+             f"from pathlib import Path\nfrom alignment.errors import run_cli\nfrom alignment.run_log import trim_jsonl\n"
+             f"run_cli(lambda argv: trim_jsonl(Path({str(log)!r}), 30))")
+    result = subprocess.run([sys.executable, "-c", child], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert re.search(r"error: cannot rewrite .*steps.jsonl to step 30 \(File too large\); it is unchanged", result.stderr), result.stderr
+    assert log.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["steps.jsonl"]  # no temp file left
+    from alignment.run_log import trim_jsonl
+
+    trim_jsonl(log, 30)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(1, 31))
 
 
 # -------------------------------------------------------- round 3: no damaged weights used
@@ -664,6 +746,17 @@ def test_evaluate_keeps_another_models_metrics_and_one_writer_per_folder(pipelin
         evaluate.main(["--model_path", str(second), *common])
     assert snapshot(pipeline.root / "runs" / "eval" / "rl") == written
     evaluate.main(["--model_path", str(first), *common])  # the same model: its own evaluation is replaced
+    written = snapshot(pipeline.root / "runs" / "eval" / "rl")
+
+    def stopped(*args):
+        raise KeyboardInterrupt  # Ctrl-C during pass@k sampling
+
+    monkeypatch.setattr(evaluate, "add_pass_at_k", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate.main(["--model_path", str(first), *common[:-4], "--num_examples", "3", "--max_tokens", "6", "--samples", "4"])
+    assert snapshot(pipeline.root / "runs" / "eval" / "rl") == written  # samples and metrics of one evaluation, not two
+    monkeypatch.undo()
+    monkeypatch.chdir(pipeline.root)
     evaluate.main(["--model_path", str(second), *common, "--output_dir", "runs/eval/b_rl"])
     holder = subprocess.Popen([sys.executable, "-c", HOLD_EVAL_LOCK, "runs/eval/busy"], cwd=pipeline.root, env=ENV, stdout=subprocess.PIPE, text=True)
     try:
