@@ -416,9 +416,11 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
         check_saved_model(args.checkpoint_path, f"the checkpoint cannot be evaluated; remove {args.checkpoint_path} to train again")
         check_model_folder(args.checkpoint_path, "--checkpoint_path")
         check_writable(run_dir, "--log_dir")
-        with OutputLock([(run_dir, "--log_dir/--run_name")] if writes else []):
-            if writes:
-                claim_log_folder(run_dir, "--log_dir/--run_name")
+        if not writes:  # under torchrun rank 0 evaluates it alone: every rank would run the whole split and write the same files
+            print(f"rank {os.environ['RANK']}: rank 0 evaluates {args.checkpoint_path}")
+            return {}
+        with OutputLock([(run_dir, "--log_dir/--run_name")]):
+            claim_log_folder(run_dir, "--log_dir/--run_name")
             return evaluate_checkpoint(args)
     check_checkpoint(base_model_checkpoint_path, "--sft_checkpoint_path", "run `python -m alignment.train_sft` first or pass --sft_checkpoint_path")
     if not Path(base_model_checkpoint_path).is_dir():

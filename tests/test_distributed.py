@@ -99,6 +99,13 @@ def test_train_rl_under_torchrun_end_to_end(tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "rl")
+    # the same launch again: the checkpoint is evaluated (the seed's rule) by rank 0 alone; every rank once
+    # evaluated the whole split and wrote the same files (and a TensorBoard file each) through one temp name
+    events = sorted((tmp_path / "runs" / "fsdp").glob("events.out.tfevents.*"))
+    out = run([*TORCHRUN, "-m", "alignment.train_rl", *flags])
+    assert out.count("already holds weights: evaluating it (no training)") == 1 and "rank 1: rank 0 evaluates" in out
+    assert json.loads((tmp_path / "runs" / "fsdp" / "eval_only_metrics.json").read_text())["num_examples"] == 7
+    assert len(sorted((tmp_path / "runs" / "fsdp").glob("events.out.tfevents.*"))) == len(events) + 1
 
 
 def processes_mentioning(text: str) -> list[int]:
