@@ -371,7 +371,9 @@ def resume_hint(args) -> str:
     if has_weights(args.checkpoint_path):  # an epoch's checkpoint: the seed's rule would evaluate it, not train on
         return (f"no training state was saved (--save_state_every 0); {args.checkpoint_path} holds the policy of an earlier epoch, "
                 f"which a rerun only evaluates: remove it to start over")
-    return "no training state was saved (--save_state_every 0), so a rerun starts over"
+    run_dir = Path(args.log_dir) / args.run_name
+    return (f"no training state was saved (--save_state_every 0), so a rerun starts over: under another --run_name "
+            f"({run_dir} keeps this run's logs), or after removing {run_dir}")
 
 
 def drop_samples(metrics: dict) -> dict:

@@ -366,6 +366,13 @@ def test_an_epochs_checkpoint_of_a_stopped_run_is_not_taken_for_its_result(tmp_p
     shutil.rmtree(task.root / "runs" / "epochs")
     train_rl.main(argv)  # the whole run: its checkpoint is the result
     assert {k: read_manifest(task.root / "epochs" / "rl")[k] for k in ("step", "total_steps")} == {"step": 6, "total_steps": 6}
+    # stopped with neither a state nor an epoch's checkpoint: a rerun starts over, and its log folder is this run's
+    shutil.rmtree(task.root / "epochs" / "rl")
+    args = train_rl.parse_rl_args(argv)
+    assert train_rl.resume_hint(args) == (f"no training state was saved (--save_state_every 0), so a rerun starts over: under another "
+                                          f"--run_name ({task.root / 'runs' / 'epochs'} keeps this run's logs), or after removing {task.root / 'runs' / 'epochs'}")
+    with pytest.raises(UserError, match=r"holds the logs of an earlier run \(steps 1-6 in steps.jsonl\)"):
+        train_rl.main(argv)
 
 
 # ----------------------------------------------------------- 8. safe loading
