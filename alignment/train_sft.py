@@ -13,7 +13,8 @@ fp32 on CPU. The checkpoint is an ordinary Hugging Face
 folder written atomically; `train_rl` starts from it.
 
 TensorBoard (runs/<run_name>/): train/loss, train/nll_per_token, train/lr,
-train/grad_norm, train/tokens_per_s, eval/*.
+train/grad_norm, train/tokens_per_s, eval/*. A rerun under the same --run_name replaces
+the earlier run's curves there, as it replaces the checkpoint (the earlier event files stay).
 """
 
 import random
@@ -51,12 +52,22 @@ def evaluate_sft(model, tokenizer, args, writer, step) -> dict:
     return metrics
 
 
+def open_log(run_dir: Path) -> SummaryWriter:
+    """TensorBoard writer for this run. SFT replaces its checkpoint, so a rerun replaces the
+    earlier run's curves too: its events are hidden from step 0 on (purge_step), not mixed
+    with this run's; their files stay on disk."""
+    earlier = sorted(run_dir.glob("events.out.tfevents.*"))
+    if earlier:
+        print(f"{run_dir}: TensorBoard shows this run's curves in place of the earlier SFT run's ({len(earlier)} event file(s), kept on disk)")
+    return SummaryWriter(str(run_dir), purge_step=0 if earlier else None)
+
+
 def train(args, stop: StopOnSignal | None = None) -> dict:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)  # compute dtype
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    writer = SummaryWriter(f"{args.log_dir}/{args.run_name}")
+    writer = open_log(Path(args.log_dir) / args.run_name)
     tokenizer = load_tokenizer(args.model)
     model = load_hf_model(args.model, device, master_dtype(dtype, args.fp32_master_weights))
     print(f"precision: {describe_precision(master_dtype(dtype, args.fp32_master_weights), dtype)}")

@@ -44,6 +44,24 @@ def test_sft_lowers_the_loss_and_saves_a_checkpoint_both_backends_load(task):
         engine.close()
 
 
+def test_an_sft_rerun_replaces_the_earlier_runs_curves_in_tensorboard(task, tmp_path, capsys):
+    def sft(epochs):
+        train_sft.main(["--model", str(task.sft), "--checkpoint_path", str(tmp_path / "sft"), "--data_dir", str(task.data), "--log_dir", str(tmp_path / "runs"),
+                        "--batch_size", "16", "--microbatch_size", "16", "--num_epochs", str(epochs), "--log_every", "1", "--eval_num_examples", "2", "--eval_max_tokens", "4"])
+
+    def logged_steps():
+        events = EventAccumulator(str(tmp_path / "runs" / "sft"))
+        events.Reload()
+        return [event.step for event in events.Scalars("train/loss")], [event.step for event in events.Scalars("eval/avg_all_rewards")]
+
+    sft(2)
+    assert logged_steps() == ([1, 2, 3, 4, 5, 6, 7, 8], [8])
+    sft(1)
+    assert "in place of the earlier SFT run's (1 event file(s), kept on disk)" in capsys.readouterr().out
+    assert logged_steps() == ([1, 2, 3, 4], [4])  # mixed, it would be both runs' 12 losses and two evaluations
+    assert len(list((tmp_path / "runs" / "sft").glob("events.out.tfevents.*"))) == 2
+
+
 def test_sft_microbatches_cut_by_tokens_give_the_same_update_as_rows(task, monkeypatch):
     """--microbatch_tokens: each microbatch's mean loss is weighted by its share of the step, so
     one row at a time, uneven cuts, rows of 8 and the whole step at once train the same weights."""
