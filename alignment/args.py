@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+from alignment.checkpoint import start_over
 from alignment.errors import UserError
 
 
@@ -493,7 +494,8 @@ def check_resume_flags(saved: dict, args, train_data_sha256: str, start_checkpoi
     """
     if not isinstance(saved.get("flags"), dict):
         raise UserError(f"--resume: the training state in {args.state_dir} records no flags (an older version wrote it), so a changed flag "
-                        f"would go unnoticed; start a new run with another --checkpoint_path, or remove {args.state_dir} to start over")
+                        f"would go unnoticed; start a new run with another --checkpoint_path and --run_name, or "
+                        f"{start_over(Path(args.log_dir) / args.run_name, args.state_dir)} to start over")
     flags = saved["flags"]
     derived = set(saved.get("derived_flags", [])) | set(getattr(args, "derived_flags", []))
     # the flags a user sets first: a changed --sampling_max_tokens is named, not the

@@ -162,7 +162,7 @@ def claim_log_folder(folder, flag: str, run_id: str | None = None, resuming: boo
     if folder.is_dir() and not _is_empty_folder(folder) and not marker.is_file():
         raise UserError(f"{flag} {folder} holds files this tool did not write; pass another --log_dir or --run_name, or move them away (nothing was changed)")
     owner = _read_json(marker).get("run_id", "") if marker.is_file() else None
-    earlier = _run_logs(folder) if run_id is not None and owner != run_id and not (owner == "" and resuming) else None
+    earlier = run_logs(folder) if run_id is not None and owner != run_id and not (owner == "" and resuming) else None
     if earlier:
         raise UserError(f"{flag} {folder} holds the logs of an earlier run ({earlier}); pass another --run_name, "
                         f"or remove {folder} to replace them (nothing was changed)")
@@ -170,6 +170,13 @@ def claim_log_folder(folder, flag: str, run_id: str | None = None, resuming: boo
     if owner is None or (run_id is not None and owner != run_id):
         folder.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps({"written_by": WRITER, "kind": "log_folder", **({"run_id": run_id} if run_id else {})}) + "\n")
+
+
+def start_over(run_dir, *folders) -> str:
+    """'remove A and B': what to remove so that a rerun starts over. The log folder is named
+    too when it holds a run's logs, since a new run refuses it (claim_log_folder)."""
+    folders = [*folders, run_dir] if run_logs(Path(run_dir)) else list(folders)
+    return "remove " + " and ".join(str(folder) for folder in folders)
 
 
 def _read_json(path: Path) -> dict:
@@ -180,7 +187,7 @@ def _read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _run_logs(folder: Path) -> str:
+def run_logs(folder: Path) -> str:
     """What a log folder holds of a training run's results, in words ("steps 1-40 in steps.jsonl"), or ""."""
     steps = []
     if (folder / "steps.jsonl").is_file():
@@ -583,7 +590,7 @@ def state_step(state_dir) -> int | None:
     return manifest.get("step") if manifest else None
 
 
-def load_training_state(state_dir) -> dict | None:
+def load_training_state(state_dir, run_dir=None) -> dict | None:
     """The latest state written by `save_training_state`, checked, or None if there is none.
 
     Every file is verified against the manifest first; nothing is unpickled beyond
@@ -598,7 +605,7 @@ def load_training_state(state_dir) -> dict | None:
     state_dir = Path(state_dir)
     if not has_training_state(state_dir):
         return None
-    advice = f"the training state in {state_dir} cannot be resumed; remove it to start over"
+    advice = f"the training state in {state_dir} cannot be resumed; {start_over(run_dir, state_dir) if run_dir else 'remove it'} to start over"
     manifest = verify_manifest(state_dir, advice)
     try:
         state = json.loads((state_dir / "counters.json").read_text())

@@ -66,7 +66,7 @@ from alignment.args import (build_sft_parser, check_checkpoint, check_resume_fla
                             resolve_speed_flags, run_record)
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, folder_fingerprint,
                                   has_training_state, load_training_state, read_manifest, real_output_path, recover_checkpoint, remove_output, save_model_atomically,
-                                  save_training_state, state_step)
+                                  save_training_state, start_over, state_step)
 from alignment.data import Gsm8kDataset, data_fingerprint
 from alignment.devices import format_role_table, one_device_roles, resolve_dtype, resolve_role_devices
 from alignment.distributed import check_fsdp_sizes, rank_slice, reduce_reward_meta, reduce_totals, save_policy
@@ -234,11 +234,11 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     torch.manual_seed(args.seed)
     roles, dtype, policy_dtype = place_roles(args, base_model_checkpoint_path, ranks, say)
     main_device = roles["policy_main"]
-    state = load_training_state(args.state_dir) if args.resume else None  # checked against its manifest
+    run_dir = Path(args.log_dir) / args.run_name
+    state = load_training_state(args.state_dir, run_dir) if args.resume else None  # checked against its manifest
     # data and tokenizer first (the seed builds them after the models): a bad row fails before any model loads
     tokenizer = load_tokenizer(args.model or base_model_checkpoint_path)
     dataset, eval_set, steps_per_epoch, total_steps = load_prompts(args, tokenizer, base_model_checkpoint_path)
-    run_dir = Path(args.log_dir) / args.run_name
     log = RunLog(run_dir, SummaryWriter(str(run_dir), purge_step=state["step"] + 1 if state else None) if ranks.is_main else None,
                  state["step"] if state else 0, args.log_every, say)
 
@@ -247,7 +247,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     missing = [key for key in progress if state and key != "world_size" and key not in state]
     if missing:
         raise UserError(f"the training state in {args.state_dir} has no {', '.join(missing)} in its counters.json (an older version wrote it); "
-                        f"start a new run with another --checkpoint_path, or remove {args.state_dir} to start over")
+                        f"start a new run with another --checkpoint_path and --run_name, or {start_over(run_dir, args.state_dir)} to start over")
     progress.update({key: state[key] for key in progress if state and key != "world_size"})
     model, sampler, reference_model, speed = build_models(args, base_model_checkpoint_path, state, progress["policy_version"], roles, dtype, policy_dtype,
                                                           tokenizer, ranks, say)
@@ -370,7 +370,7 @@ def resume_hint(args) -> str:
         return f"the training state of step {state_step(args.state_dir)} is in {args.state_dir}; continue with:\n  {resume_command(None)}"
     if has_weights(args.checkpoint_path):  # an epoch's checkpoint: the seed's rule would evaluate it, not train on
         return (f"no training state was saved (--save_state_every 0); {args.checkpoint_path} holds the policy of an earlier epoch, "
-                f"which a rerun only evaluates: remove it to start over")
+                f"which a rerun only evaluates: {start_over(Path(args.log_dir) / args.run_name, args.checkpoint_path)} to start over")
     run_dir = Path(args.log_dir) / args.run_name
     return (f"no training state was saved (--save_state_every 0), so a rerun starts over: under another --run_name "
             f"({run_dir} keeps this run's logs), or after removing {run_dir}")
@@ -408,14 +408,15 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
     """main() with the outputs recovered: evaluate an existing RL checkpoint (the seed's rule), or check everything and train."""
     if has_training_state(args.state_dir) and not args.resume:
         # never discard an unfinished run without a word: hours of GPU time may be in it
-        then = f"evaluate {args.checkpoint_path}" if has_weights(args.checkpoint_path) else "start over from the SFT checkpoint"
+        then = (f"remove {args.state_dir} to evaluate {args.checkpoint_path}" if has_weights(args.checkpoint_path)
+                else f"{start_over(run_dir, args.state_dir)} to start over from the SFT checkpoint")
         raise UserError(f"{args.state_dir} holds the training state of an unfinished run (step {state_step(args.state_dir)}); "
-                        f"pass --resume to continue it, or remove {args.state_dir} to {then}")
+                        f"pass --resume to continue it, or {then}")
     if has_weights(args.checkpoint_path) and not has_training_state(args.state_dir):
         # the seed's rule: an existing RL checkpoint is evaluated, never retrained (a finished
         # run removes its training state, so only an interrupted one trains past a checkpoint)
-        check_checkpoint(args.checkpoint_path, "--checkpoint_path", "remove it to train again")
-        check_saved_model(args.checkpoint_path, f"the checkpoint cannot be evaluated; remove {args.checkpoint_path} to train again")
+        check_checkpoint(args.checkpoint_path, "--checkpoint_path", f"{start_over(run_dir, args.checkpoint_path)} to train again")
+        check_saved_model(args.checkpoint_path, f"the checkpoint cannot be evaluated; {start_over(run_dir, args.checkpoint_path)} to train again")
         check_model_folder(args.checkpoint_path, "--checkpoint_path")
         check_writable(run_dir, "--log_dir")
         if not writes:  # under torchrun rank 0 evaluates it alone: every rank would run the whole split and write the same files

@@ -112,9 +112,16 @@ def test_a_regular_file_as_checkpoint_path_is_refused_before_training(pipeline):
 def test_an_unfinished_training_state_is_never_discarded(pipeline, monkeypatch):
     state = interrupted_run(pipeline, "unfinished", monkeypatch)
     before = snapshot(state)
-    with pytest.raises(UserError, match=r"holds the training state of an unfinished run \(step 1\); pass --resume to continue it, or remove .* to start over"):
+    with pytest.raises(UserError) as refused:
         train_rl.main(flags(pipeline, "unfinished"))
     assert snapshot(state) == before
+    logs = pipeline.root / "runs" / "unfinished"
+    assert str(refused.value) == (f"{state} holds the training state of an unfinished run (step 1); pass --resume to continue it, "
+                                  f"or remove {state} and {logs} to start over from the SFT checkpoint")
+    shutil.rmtree(state)  # the advice, followed: the log folder too, which a new run would refuse
+    shutil.rmtree(logs)
+    train_rl.main(flags(pipeline, "unfinished"))
+    assert [json.loads(line)["step"] for line in (logs / "steps.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
 # ------------------------------------------------------- 3. resume checks flags
@@ -225,14 +232,14 @@ def test_damaged_state_files_are_refused_naming_the_file(pipeline, monkeypatch):
         train_rl.main(resume)
     (state / "optimizer.pt").write_bytes(pristine["optimizer.pt"])
     (state / "rng.pt").unlink()
-    with pytest.raises(UserError, match=r"rng.pt is missing"):
+    with pytest.raises(UserError, match=rf"rng.pt is missing.*; remove {re.escape(str(state))} and {re.escape(str(pipeline.root / 'runs' / 'damaged'))} to start over"):
         train_rl.main(resume)
 
 
 def test_a_damaged_final_checkpoint_is_refused_before_evaluation(pipeline):
     train_rl.main(flags(pipeline, "final", "--max_steps", "1"))
     (pipeline.root / "final" / "rl" / "tokenizer.json").unlink()
-    with pytest.raises(UserError, match=r"final/rl/tokenizer.json is missing .* remove .*final/rl to train again"):
+    with pytest.raises(UserError, match=r"final/rl/tokenizer.json is missing .* remove .*final/rl and .*runs/final to train again"):
         train_rl.main(flags(pipeline, "final", "--max_steps", "1"))
 
 
@@ -353,7 +360,7 @@ def test_an_epochs_checkpoint_of_a_stopped_run_is_not_taken_for_its_result(tmp_p
     monkeypatch.setattr(train_rl, "save_policy", save_then_signal)
     argv = train_rl_flags(task, "epochs", "--num_epochs", "3")
     with pytest.raises(RunStopped, match=r"stopped by SIGTERM after step 2: no training state was saved \(--save_state_every 0\); "
-                                         r".*epochs/rl holds the policy of an earlier epoch, which a rerun only evaluates: remove it to start over"):
+                                         r".*epochs/rl holds the policy of an earlier epoch, which a rerun only evaluates: remove .*epochs/rl and .*runs/epochs to start over"):
         train_rl.main(argv)
     assert {k: read_manifest(task.root / "epochs" / "rl")[k] for k in ("step", "total_steps")} == {"step": 2, "total_steps": 6}
     monkeypatch.setattr(train_rl, "save_policy", real_save)
@@ -847,12 +854,14 @@ def test_resume_refuses_what_would_silently_change_the_run(pipeline, monkeypatch
         train_rl.main([*resume, "--max_steps", "1"])
     old = interrupted_run(pipeline, "old_state", monkeypatch)
     _rewrite_in_state(old, "counters.json", lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "policy_version"}))
-    with pytest.raises(UserError, match=r"has no policy_version in its counters.json \(an older version wrote it\)"):
+    with pytest.raises(UserError, match=r"has no policy_version in its counters.json \(an older version wrote it\); start a new run with another "
+                                        r"--checkpoint_path and --run_name, or remove .*old_state/rl.state and .*runs/old_state to start over"):
         train_rl.main(flags(pipeline, "old_state", "--save_state_every", "1", "--resume"))
     manifest = json.loads((old / MANIFEST_NAME).read_text())
     manifest.pop("run")
     (old / MANIFEST_NAME).write_text(json.dumps(manifest))
-    with pytest.raises(UserError, match=r"--resume: the training state in .*old_state.* records no flags \(an older version wrote it\)"):
+    with pytest.raises(UserError, match=r"--resume: the training state in .*old_state.* records no flags \(an older version wrote it\).* "
+                                        r"--checkpoint_path and --run_name, or remove .*old_state/rl.state and .*runs/old_state to start over"):
         train_rl.main(flags(pipeline, "old_state", "--save_state_every", "1", "--resume"))
 
 
