@@ -131,7 +131,7 @@ def evaluate_in_subprocess(model_path, args, output_dir, device: str) -> dict:
     """
     repo_root = Path(__file__).resolve().parent.parent
     command = [
-        sys.executable, "-m", "alignment.evaluate", "--model_path", str(model_path), "--backend", "vllm",
+        sys.executable, "-m", "alignment.evaluate", "--model_path", str(Path(model_path).resolve()), "--backend", "vllm",
         "--device", device, "--dtype", args.dtype, "--split", args.eval_split, "--data_dir", str(Path(args.data_dir).resolve()),
         "--output_dir", str(Path(output_dir).resolve()), "--seed", str(args.seed),
         "--temperature", str(args.eval_temperature), "--top_p", str(args.eval_top_p),

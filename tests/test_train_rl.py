@@ -180,10 +180,14 @@ def test_an_update_that_makes_the_weights_non_finite_stops_before_anything_saves
 
 
 @pytest.mark.slow
-def test_fresh_eval_engine_runs_in_a_child_process(pipeline):
-    """--eval_engine fresh: the seed's save-then-temporary-vLLM path."""
+def test_fresh_eval_engine_runs_in_a_child_process(pipeline, monkeypatch):
+    """--eval_engine fresh: the seed's save-then-temporary-vLLM path. The child runs in the repo's folder:
+    a relative --tmp_checkpoint_path must still name the folder this process saved (it was read there:
+    a failed evaluation, or a stale folder of that name in the repo graded as this step)."""
     name = "fresh_eval"
-    train_rl.main(rl_flags(pipeline, name, "--rollout_backend", "vllm", "--eval_engine", "fresh", "--max_steps", "2"))
+    monkeypatch.chdir(pipeline.root)
+    train_rl.main(rl_flags(pipeline, name, "--rollout_backend", "vllm", "--eval_engine", "fresh", "--max_steps", "2",
+                           "--tmp_checkpoint_path", f"{name}/rl_tmp"))
     eval_dir = pipeline.root / "runs" / name / "eval_step_2"
     assert json.loads((eval_dir / "metrics.json").read_text())["num_examples"] == 8
     # the fresh engine evaluated the policy saved at --tmp_checkpoint_path: step 2's, the final checkpoint's weights
