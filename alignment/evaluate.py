@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from alignment.args import check_checkpoint, parse_eval_args
-from alignment.checkpoint import OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, read_manifest
+from alignment.checkpoint import OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, read_manifest, start_over
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -169,7 +169,7 @@ def evaluate_checkpoint(args) -> dict:
     saved_at = {key: saved[key] for key in ("step", "total_steps") if isinstance(saved.get(key), int)}
     if len(saved_at) == 2 and saved_at["step"] < saved_at["total_steps"]:
         print(f"note: {args.checkpoint_path} is the policy after step {saved_at['step']} of {saved_at['total_steps']} (an epoch's checkpoint of a run "
-              f"that stopped before its end, with no training state to resume): not that run's result; remove it to train from the start")
+              f"that stopped before its end, with no training state to resume): not that run's result; {start_over(Path(args.log_dir) / args.run_name, args.checkpoint_path)} to train from the start")
     device = args.eval_device if args.layout == "explicit" else resolve_role_devices(args, 1)["eval"]
     engine = build_engine(args.rollout_backend, args.checkpoint_path, device, resolve_dtype(args.dtype, device), args.seed, args)
     eval_set = Gsm8kDataset(args.eval_split, args.data_dir, limit=args.eval_num_examples)

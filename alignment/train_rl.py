@@ -339,6 +339,15 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
             save_policy(ranks, model, tokenizer, args.checkpoint_path, step, total_steps)
             say(f"epoch {step // steps_per_epoch - 1} done: saved policy to {args.checkpoint_path}")
         stopping = ranks.any_true(stop.received is not None)
+        if stopping and step == total_steps:  # the run has trained to its end: keep its result, skip only the final evaluation
+            if total_steps % steps_per_epoch:
+                save_policy(ranks, model, tokenizer, args.checkpoint_path, total_steps, total_steps)
+            if ranks.is_main:
+                remove_output(args.state_dir, "training_state", run_id=run["run_id"])
+            log.close()
+            ranks.close()
+            raise RunStopped(f"stopped by {stop.name} in the last step ({step}): the trained policy is saved to {args.checkpoint_path}; "
+                             f"its final evaluation did not run: rerun the same command to evaluate it", stop.exit_code)
         if args.save_state_every and (step % args.save_state_every == 0 or stopping):
             save_state(args, ranks, model, tokenizer, optimizer, scheduler, {**progress, "epoch": (step - 1) // steps_per_epoch}, run)
         if stopping:  # every rank agreed, so every rank leaves together

@@ -366,7 +366,8 @@ def test_an_epochs_checkpoint_of_a_stopped_run_is_not_taken_for_its_result(tmp_p
     monkeypatch.setattr(train_rl, "save_policy", real_save)
     capsys.readouterr()
     train_rl.main(argv)
-    assert re.search(r"note: .*epochs/rl is the policy after step 2 of 6 \(an epoch's checkpoint of a run that stopped before its end", capsys.readouterr().out)
+    assert re.search(r"note: .*epochs/rl is the policy after step 2 of 6 \(an epoch's checkpoint of a run that stopped before its end.*"
+                     r"not that run's result; remove .*epochs/rl and .*runs/epochs to train from the start", capsys.readouterr().out)
     written = json.loads((task.root / "runs" / "epochs" / "eval_only_metrics.json").read_text())
     assert (written["checkpoint_step"], written["checkpoint_total_steps"]) == (2, 6)
     shutil.rmtree(task.root / "epochs" / "rl")
@@ -380,6 +381,34 @@ def test_an_epochs_checkpoint_of_a_stopped_run_is_not_taken_for_its_result(tmp_p
                                           f"--run_name ({task.root / 'runs' / 'epochs'} keeps this run's logs), or after removing {task.root / 'runs' / 'epochs'}")
     with pytest.raises(UserError, match=r"holds the logs of an earlier run \(steps 1-6 in steps.jsonl\)"):
         train_rl.main(argv)
+
+
+def test_a_signal_in_the_last_step_keeps_the_trained_policy(pipeline, monkeypatch, capsys):
+    """SIGTERM during the last of 3 steps (not an epoch's end, a state every 2): the stop used to come before the
+    final save, so the whole run was thrown away and the message said a rerun starts over."""
+    from alignment.errors import RunStopped
+
+    real_scalars = train_rl.step_scalars
+
+    def scalars_then_signal(args, progress, *rest):
+        if progress["step"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would, while the last step runs
+        return real_scalars(args, progress, *rest)
+
+    monkeypatch.setattr(train_rl, "step_scalars", scalars_then_signal)
+    argv = flags(pipeline, "last_step", "--save_state_every", "2")
+    with pytest.raises(RunStopped, match=r"stopped by SIGTERM in the last step \(3\): the trained policy is saved to .*last_step/rl; "
+                                         r"its final evaluation did not run: rerun the same command to evaluate it"):
+        train_rl.main(argv)
+    checkpoint_path = pipeline.root / "last_step" / "rl"
+    assert {k: read_manifest(checkpoint_path)[k] for k in ("step", "total_steps")} == {"step": 3, "total_steps": 3}
+    assert not has_training_state(pipeline.root / "last_step" / "rl.state")  # the step-2 state: the run is done with it
+    monkeypatch.setattr(train_rl, "step_scalars", real_scalars)
+    capsys.readouterr()
+    train_rl.main(argv)  # what the message says: the seed's rule evaluates it
+    written = json.loads((pipeline.root / "runs" / "last_step" / "eval_only_metrics.json").read_text())
+    assert (written["checkpoint_step"], written["checkpoint_total_steps"]) == (3, 3)
+    assert "not that run's result" not in capsys.readouterr().out
 
 
 # ----------------------------------------------------------- 8. safe loading
