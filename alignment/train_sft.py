@@ -41,8 +41,7 @@ from alignment.rollout import HfEngine, SamplingSettings, check_model_folder, lo
 from alignment.sft_helpers import get_response_log_probs, microbatches, sft_microbatch_train_step, tokenize_prompt_and_output
 
 
-def evaluate_sft(model, tokenizer, args, writer, step) -> dict:
-    dataset = Gsm8kDataset("test", args.data_dir, limit=args.eval_num_examples)
+def evaluate_sft(model, tokenizer, args, writer, step, dataset) -> dict:
     engine = HfEngine(model, tokenizer, batch_size=64, compute_dtype=resolve_dtype(args.dtype, resolve_device(args.device)))
     sampling = SamplingSettings(temperature=0.0, max_tokens=args.eval_max_tokens, repetition_penalty=1.0)
     metrics = evaluate_math(engine, r1_zero_reward_fn, dataset.prompts, dataset.ground_truths, sampling)
@@ -62,11 +61,13 @@ def open_log(run_dir: Path) -> SummaryWriter:
     return SummaryWriter(str(run_dir), purge_step=0 if earlier else None)
 
 
-def train(args, stop: StopOnSignal | None = None) -> dict:
+def train(args, stop: StopOnSignal) -> dict:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)  # compute dtype
     random.seed(args.seed)
     torch.manual_seed(args.seed)
+    dataset = Gsm8kDataset("train", args.data_dir, limit=args.num_train_examples)
+    eval_set = Gsm8kDataset("test", args.data_dir, limit=args.eval_num_examples)  # read now: a bad row fails before the model loads, not after training
     writer = open_log(Path(args.log_dir) / args.run_name)
     tokenizer = load_tokenizer(args.model)
     model = load_hf_model(args.model, device, master_dtype(dtype, args.fp32_master_weights))
@@ -75,7 +76,6 @@ def train(args, stop: StopOnSignal | None = None) -> dict:
         model.gradient_checkpointing_enable()
     model.train()
 
-    dataset = Gsm8kDataset("train", args.data_dir, limit=args.num_train_examples)
     lengths = [len(ids) for ids in tokenizer([p + c for p, c in zip(dataset.prompts, dataset.completions)])["input_ids"]]
     examples = [i for i, n in enumerate(lengths) if n <= args.max_seq_len]
     if len(examples) < len(dataset):
@@ -135,15 +135,20 @@ def train(args, stop: StopOnSignal | None = None) -> dict:
                     f"lr {scalars['train/lr']:.2e} grad_norm {grad_norm:.3f} tokens/s {scalars['train/tokens_per_s']:.0f}"
                 )
             if args.eval_every and step % args.eval_every == 0 and step < total_steps:
-                evaluate_sft(model, tokenizer, args, writer, step)
-            if stop.received is not None:
+                evaluate_sft(model, tokenizer, args, writer, step, eval_set)
+            if stop.received is not None and step < total_steps:
                 writer.close()
                 raise RunStopped(f"stopped by {stop.name} after SFT step {step}: SFT keeps no resumable state and nothing was written to "
                                  f"{args.checkpoint_path}; rerun the same command to train again", stop.exit_code)
     progress.close()
-    metrics = evaluate_sft(model, tokenizer, args, writer, step)
+    # saved before the final evaluation: a trained model is kept whatever happens during it
     save_model_atomically(model, tokenizer, args.checkpoint_path, "sft_checkpoint")
     print(f"saved SFT checkpoint to {args.checkpoint_path}")
+    if stop.received is not None:
+        writer.close()
+        raise RunStopped(f"stopped by {stop.name} in the last SFT step ({step}): the trained model is saved to {args.checkpoint_path}; "
+                         f"its final evaluation did not run (python -m alignment.evaluate --model_path {args.checkpoint_path})", stop.exit_code)
+    metrics = evaluate_sft(model, tokenizer, args, writer, step, eval_set)
     writer.close()
     metrics.pop("samples", None)
     return metrics

@@ -1,12 +1,17 @@
 """train_sft and evaluate on a tiny model: the loss falls, checkpoints load everywhere, metrics are exact."""
 
 import json
+import os
+import shutil
+import signal
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from alignment import evaluate, train_sft
+from alignment import evaluate, sft_helpers, train_sft
 from alignment.drgrpo_grader import r1_zero_reward_fn
+from alignment.errors import RunStopped, UserError
 from alignment.evaluate import evaluate_math
 from alignment.rollout import Generation, SamplingSettings
 from conftest import make_tiny_task
@@ -60,6 +65,49 @@ def test_an_sft_rerun_replaces_the_earlier_runs_curves_in_tensorboard(task, tmp_
     assert "in place of the earlier SFT run's (1 event file(s), kept on disk)" in capsys.readouterr().out
     assert logged_steps() == ([1, 2, 3, 4], [4])  # mixed, it would be both runs' 12 losses and two evaluations
     assert len(list((tmp_path / "runs" / "sft").glob("events.out.tfevents.*"))) == 2
+
+
+def test_sft_keeps_its_trained_model_whatever_stops_the_final_evaluation(task, tmp_path, monkeypatch):
+    """The final evaluation used to run before the save (and read test.jsonl only then): a bad test row, an
+    out-of-memory error in generate or a stop in the last step threw the whole SFT run away."""
+    real_step, steps = sft_helpers.sft_microbatch_train_step, []
+
+    def counted_step(*args, **kwargs):  # 64 examples, 16 a step, one microbatch each: 4 steps
+        steps.append(1)
+        if len(steps) == 4 and signal_in_last_step:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would, while the last step runs
+        return real_step(*args, **kwargs)
+
+    def argv(data, name):
+        return ["--model", str(task.sft), "--checkpoint_path", str(tmp_path / name), "--data_dir", str(data), "--log_dir", str(tmp_path / "runs"),
+                "--run_name", name, "--batch_size", "16", "--microbatch_size", "16", "--num_epochs", "1", "--eval_num_examples", "2", "--eval_max_tokens", "4"]
+
+    signal_in_last_step = False
+    monkeypatch.setattr(train_sft, "sft_microbatch_train_step", counted_step)
+    broken = tmp_path / "broken_data"
+    shutil.copytree(task.data, broken)
+    (broken / "test.jsonl").write_text('{"question": "1 + 1?"}\n' + (task.data / "test.jsonl").read_text())
+    with pytest.raises(UserError, match=r"broken_data/test.jsonl:1: missing string field 'answer'"):
+        train_sft.main(argv(broken, "bad_row"))
+    assert steps == [] and not list((tmp_path / "runs" / "bad_row").glob("events.out.tfevents.*"))  # before the model loads or a log opens
+
+    def out_of_memory(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(train_sft, "evaluate_sft", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        train_sft.main(argv(task.data, "oom"))
+    assert len(steps) == 4 and (tmp_path / "oom" / "model.safetensors").is_file()  # saved before the evaluation failed
+
+    def evaluation_not_reached(*_):
+        raise AssertionError("the final evaluation ran after a stop")
+
+    steps.clear()
+    signal_in_last_step = True
+    monkeypatch.setattr(train_sft, "evaluate_sft", evaluation_not_reached)
+    with pytest.raises(RunStopped, match=r"stopped by SIGTERM in the last SFT step \(4\): the trained model is saved to .*stopped; its final evaluation did not run"):
+        train_sft.main(argv(task.data, "stopped"))
+    assert (tmp_path / "stopped" / "model.safetensors").is_file()
 
 
 def test_sft_microbatches_cut_by_tokens_give_the_same_update_as_rows(task, monkeypatch):
