@@ -172,6 +172,11 @@ def claim_log_folder(folder, flag: str, run_id: str | None = None, resuming: boo
         marker.write_text(json.dumps({"written_by": WRITER, "kind": "log_folder", **({"run_id": run_id} if run_id else {})}) + "\n")
 
 
+def start_model_name(model) -> str:
+    """A start model as a manifest records it (`start_model`): a local folder's absolute path, or the hub id."""
+    return str(Path(model).resolve()) if Path(model).exists() else str(model)
+
+
 def start_over(run_dir, *folders) -> str:
     """'remove A and B': what to remove so that a rerun starts over. The log folder is named
     too when it holds a run's logs, since a new run refuses it (claim_log_folder)."""

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from alignment.args import check_checkpoint, parse_sft_args
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, real_output_path,
-                                  recover_checkpoint, save_model_atomically)
+                                  recover_checkpoint, save_model_atomically, start_model_name)
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -142,7 +142,7 @@ def train(args, stop: StopOnSignal) -> dict:
                                  f"{args.checkpoint_path}; rerun the same command to train again", stop.exit_code)
     progress.close()
     # saved before the final evaluation: a trained model is kept whatever happens during it
-    save_model_atomically(model, tokenizer, args.checkpoint_path, "sft_checkpoint")
+    save_model_atomically(model, tokenizer, args.checkpoint_path, "sft_checkpoint", record={"start_model": start_model_name(args.model)})
     print(f"saved SFT checkpoint to {args.checkpoint_path}")
     if stop.received is not None:
         writer.close()

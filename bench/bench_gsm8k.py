@@ -47,6 +47,7 @@ from pathlib import Path
 from bench_trl import earlier_run
 from common import REPO_ROOT
 
+from alignment.checkpoint import read_manifest, start_model_name
 from alignment.plot import read_jsonl, training_minutes
 
 # The RL settings both trainers get (why each, and the runs behind them: bench/RESULTS.md "GSM8K, a real model").
@@ -176,6 +177,9 @@ def main():
     parser.add_argument("--rl_run", default="rl", help="with --summarize_only: our run's name under <out>/runs")
     parser.add_argument("--trl_dir", default="trl", help="with --summarize_only: TRL's folder under <out> (its evaluations are eval_<trl_dir>_<step>)")
     args = parser.parse_args()
+    # the stages run in the repo's folder: every path they are given is absolute
+    args.out, args.data_dir = args.out.resolve(), args.data_dir.resolve()
+    args.model = args.model.resolve() if args.model.exists() else args.model
 
     rl = args.rl = TINY_RL if args.tiny else RL
     variants = [parse_variant(text) for text in args.variant]
@@ -184,16 +188,21 @@ def main():
     if args.summarize_only:
         write_summary(args.out, args.model, args.gpus, rl, args.rl_run, args.trl_dir)
         return
-    if args.trl and (found := earlier_run(args.out / "trl")):  # before SFT and our runs, not after them
-        raise SystemExit(f"--out {args.out}: {args.out / 'trl'} already holds a TRL run ({', '.join(found[:3])}); its checkpoints would mix "
-                         "with a new one's: pass a new --out, move that folder away, or add --no-trl")
+    # before SFT and our runs, not after them; an earlier run's evaluations (eval_trl_<step>) would be summarised as the new one's
+    if args.trl and (found := earlier_run(args.out / "trl") + sorted(path.name for path in args.out.glob("eval_trl_*"))):
+        raise SystemExit(f"--out {args.out} already holds a TRL run ({', '.join(found[:3])}); its checkpoints and evaluations would mix "
+                         "with a new one's: pass a new --out, move trl and eval_trl_* away, or add --no-trl")
     for name in (["rl"] if args.recipe else []) + [name for name, _ in variants]:
         # train_rl would only evaluate the checkpoint there (the seed's rule) and the summary report the earlier run's curves
         if found := [str(path) for path in (args.out / name, args.out / "runs" / name) if path.exists()]:
             raise SystemExit(f"--out {args.out}: our run {name} has run there already ({', '.join(found)}); the summary would report that run: "
                              "pass a new --out, move those folders away, or name the variant otherwise")
     if (args.out / "sft" / "config.json").is_file():
-        print(f"reusing the SFT checkpoint in {args.out / 'sft'} (remove it to train SFT again)", flush=True)
+        made_from = (read_manifest(args.out / "sft") or {}).get("start_model")
+        if made_from != start_model_name(args.model):
+            raise SystemExit(f"--out {args.out}: {args.out / 'sft'} was trained from {made_from or 'a model its manifest does not name'}, not --model "
+                             f"{args.model}; RL would start from it: pass a new --out, or remove {args.out / 'sft'} (and eval_sft) to train SFT again")
+        print(f"reusing the SFT checkpoint in {args.out / 'sft'}, trained from --model (remove it to train SFT again)", flush=True)
     args.eval_num_examples = 8 if args.tiny else None  # None: the whole test split (1,319)
     args.eval_max_tokens = 32 if args.tiny else 1024
     args.device_name = "cpu" if args.device == "cpu" else "cuda:0"  # each lane sees its own GPU as cuda:0
@@ -218,6 +227,7 @@ def main():
         tuned = pool.submit(sft_stage) if peer is not ours else None
         base, tuned = (base.result() if base else None), (tuned.result() if tuned else sft_stage())
     start = sft if base is None or tuned >= base else args.model  # ties: SFT, the seed's order
+    (args.out / "rl_start.json").write_text(json.dumps({"rl_start": "sft" if start == sft else "base", "path": str(start)}) + "\n")
     print(f"base {'not evaluated' if base is None else f'{base:.3f}'}, SFT {tuned:.3f}: RL starts from {start}", flush=True)
 
     # 3-4. ours (the recipe, then each variant, one after another) and TRL from the same start
@@ -298,12 +308,16 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "r
     """summary.json, gsm8k_curves.png and a printed table, from what the stages wrote in `out`
     (`rl_run` None: no run of ours, TRL's alone)."""
     summary = {"model": str(model), "gpus": gpus, "rl_settings": {k: list(v) if isinstance(v, tuple) else v for k, v in rl.items()}}
-    for stage in ("eval_base", "eval_sft"):
+    for stage, evaluated in (("eval_base", model), ("eval_sft", out / "sft")):
         if (out / stage / "metrics.json").is_file():  # --no-base_eval skips the first
             metrics = json.loads((out / stage / "metrics.json").read_text())
+            if "model_path" in metrics and not same_path(metrics["model_path"], evaluated):
+                print(f"{out / stage} evaluated {metrics['model_path']}, not {evaluated}: left out of the summary", flush=True)
+                continue
             summary[stage] = {key: metrics[key] for key in ("avg_all_rewards", "format_reward", "mean_response_tokens", "num_examples")}
     base = summary.get("eval_base", {}).get("avg_all_rewards", float("-inf"))
-    summary["rl_start"] = "sft" if summary["eval_sft"]["avg_all_rewards"] >= base else "base"
+    chosen = json.loads((out / "rl_start.json").read_text())["rl_start"] if (out / "rl_start.json").is_file() else None  # what the run started from
+    summary["rl_start"] = chosen or ("sft" if summary["eval_sft"]["avg_all_rewards"] >= base else "base")
     if rl_run is not None:
         summary.update(read_ours(out / "runs" / rl_run))
     summary["variants"] = {name: read_ours(out / "runs" / name) for name in variant_runs if name != rl_run and (out / "runs" / name / "steps.jsonl").is_file()}
@@ -315,6 +329,10 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "r
     draw(summary, out / "gsm8k_curves.png")
     print_table(summary)
     return summary
+
+
+def same_path(recorded: str, expected) -> bool:
+    return str(recorded) == str(expected) or Path(recorded).resolve() == Path(expected).resolve()
 
 
 def read_ours(run_dir: Path) -> dict:

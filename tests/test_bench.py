@@ -14,9 +14,9 @@ import pytest
 from conftest import REPO_ROOT
 
 
-def run_bench(script, out, *flags, env=None):
-    result = subprocess.run([sys.executable, f"bench/{script}", "--out", str(out), *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-                            env=env)
+def run_bench(script, out, *flags, env=None, cwd=REPO_ROOT):
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / script), "--out", str(out), *flags], cwd=cwd, capture_output=True, text=True,
+                            timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -105,10 +105,13 @@ def test_gsm8k_recipe_script_runs_sft_then_the_recipe_and_a_variant_from_it(tmp_
     from conftest import make_tiny_task
 
     task = make_tiny_task(tmp_path / "task", num_train=48, num_test=8, seed=2)
-    out = run_bench("bench_gsm8k.py", tmp_path / "out", "--model", str(task.sft), "--device", "cpu", "--tiny", "--no-trl", "--no-base_eval",
-                    "--data_dir", str(task.data), "--variant", "grpo_mean=--length_normalization mean --use_std_normalization")
+    # paths relative to the caller's folder (the stages run in the repo's): every stage must read and write them there
+    out = run_bench("bench_gsm8k.py", "out", "--model", "task/sft", "--device", "cpu", "--tiny", "--no-trl", "--no-base_eval",
+                    "--data_dir", "task/data", "--variant", "grpo_mean=--length_normalization mean --use_std_normalization", cwd=tmp_path)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["rl_start"] == "sft" and "eval_base" not in summary and summary["eval_sft"]["num_examples"] == 8
+    assert json.loads((tmp_path / "out" / "rl_start.json").read_text())["rl_start"] == "sft"
+    assert json.loads((tmp_path / "out" / "sft" / "alignment_manifest.json").read_text())["start_model"] == str(task.sft.resolve())
     assert [e["step"] for e in summary["ours_evals"]] == [0, 1, 2] and summary["ours_evals"][0]["train_minutes"] == 0
     assert [e["step"] for e in summary["variants"]["grpo_mean"]["ours_evals"]] == [0, 1, 2]
     assert "grpo_mean step    2: accuracy" in out and (tmp_path / "out" / "gsm8k_curves.png").stat().st_size > 0
@@ -177,6 +180,14 @@ def test_trl_refuses_an_out_that_holds_an_earlier_run_before_any_work(tmp_path):
         assert result.returncode != 0 and "already holds a TRL run (checkpoint-40)" in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["trl"]  # no SFT, nothing written
+    # an earlier run's evaluations alone (its folder moved away, as the message says): summarised as the new run's
+    shutil.rmtree(tmp_path / "out" / "trl")
+    (tmp_path / "out" / "eval_trl_40").mkdir()
+    result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--out", str(tmp_path / "out"), "--model", str(tmp_path / "none"), "--device", "cpu",
+                             "--tiny", "--no-base_eval"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "already holds a TRL run (eval_trl_40)" in result.stderr, result.stderr[-2000:]
+    (tmp_path / "out" / "eval_trl_40").rmdir()
+    (tmp_path / "out" / "trl" / "checkpoint-40").mkdir(parents=True)
     # the steps log alone counts too: a run stopped before its first save
     (tmp_path / "out" / "trl" / "checkpoint-40").rmdir()
     (tmp_path / "out" / "trl" / "steps.jsonl").write_text("{}\n")
@@ -193,6 +204,19 @@ def test_trl_refuses_an_out_that_holds_an_earlier_run_before_any_work(tmp_path):
         name = "fast" if "fast" in str(earlier) else "rl"
         assert result.returncode != 0 and f"our run {name} has run there already ({earlier})" in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr and not (tmp_path / "out" / "sft").exists()
+        shutil.rmtree(earlier)
+    # an SFT checkpoint there from another start model (a --tiny smoke run's, say): RL would start from it
+    model = tmp_path / "model"
+    model.mkdir()
+    (tmp_path / "out" / "sft").mkdir()
+    (tmp_path / "out" / "sft" / "config.json").write_text("{}")
+    for manifest, named in ((None, "a model its manifest does not name"), ({"written_by": "alignment", "kind": "sft_checkpoint", "start_model": "/elsewhere/tiny"}, "/elsewhere/tiny")):
+        if manifest:
+            (tmp_path / "out" / "sft" / "alignment_manifest.json").write_text(json.dumps(manifest))
+        result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--out", str(tmp_path / "out"), "--model", str(model), "--device", "cpu", "--tiny",
+                                 "--no-trl", "--no-base_eval"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode != 0 and f"{tmp_path / 'out' / 'sft'} was trained from {named}, not --model {model}; RL would start from it" in result.stderr
+        assert "Traceback" not in result.stderr, result.stderr[-2000:]
 
 
 def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypatch, tmp_path, capsys):
@@ -205,12 +229,18 @@ def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypa
     for stage, accuracy in (("eval_sft", 0.5), ("eval_trl_1", 0.625)):
         (tmp_path / stage).mkdir()
         (tmp_path / stage / "metrics.json").write_text(json.dumps({**metrics, "avg_all_rewards": accuracy}))
+    (tmp_path / "eval_base").mkdir()  # an earlier run's, of another model (this one ran --no-base_eval): not this run's base
+    (tmp_path / "eval_base" / "metrics.json").write_text(json.dumps({**metrics, "avg_all_rewards": 0.75, "model_path": "models/other"}))
     (tmp_path / "trl").mkdir()
     rows = [{"step": step, "rollout_step": (step + 1) // 2, "step_seconds": seconds, "elapsed_seconds": elapsed, "reward": 0.25 * step,
              "timers": {"vLLM.generate": seconds / 2}, "peak_memory_gib": 3.0} for step, seconds, elapsed in ((1, 4.0, 4.0), (2, 2.0, 6.0), (3, 3.0, 9.0), (4, 1.0, 10.0))]
     (tmp_path / "trl" / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     summary = write_summary(tmp_path, "models/x", "0", RL, rl_run=None)
     assert "ours_evals" not in summary and summary["eval_trl"][1]["avg_all_rewards"] == 0.625
+    assert "eval_base" not in summary and summary["rl_start"] == "sft"  # 0.75 would have made it "base"
+    (tmp_path / "eval_base" / "metrics.json").write_text(json.dumps({**metrics, "avg_all_rewards": 0.75, "model_path": "models/x"}))
+    (tmp_path / "rl_start.json").write_text(json.dumps({"rl_start": "sft"}))  # the run started from SFT (no base evaluation then)
+    assert write_summary(tmp_path, "models/x", "0", RL, rl_run=None)["rl_start"] == "sft"
     assert summary["trl_train_minutes"] == {1: 6.0 / 60, 2: 10.0 / 60} and summary["trl_median_seconds"]["step"] == 4.0
     assert summary["trl_train_reward"] == [(1, 0.25), (2, 0.75)] and (tmp_path / "gsm8k_curves.png").stat().st_size > 0
     assert "TRL  step    1: accuracy 0.625" in capsys.readouterr().out
