@@ -175,9 +175,11 @@ def test_microbatch_step_reports_clip_fraction_and_kl():
     log_probs, mask = _two_sequences()
     old = log_probs.detach().clone()
     old[0, 2] -= 1.0  # ratio e > 1.2 on one token with positive advantage: clipped
+    reference = log_probs.detach().clone()
+    reference[~mask] -= 1.0  # off the response only (prompt and padding): the logged KL must not see it
     _, meta = grpo_microbatch_train_step(
         log_probs, mask, 1, "grpo_clip", advantages=torch.tensor([[1.0], [1.0]]), old_log_probs=old, cliprange=0.2,
-        ref_log_probs=log_probs.detach(),
+        ref_log_probs=reference,
     )
     assert meta["clip_fraction"].item() == pytest.approx(1 / 11)
     assert meta["kl"].item() == 0.0

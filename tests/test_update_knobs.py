@@ -167,6 +167,61 @@ def test_max_grad_norm_clips_the_step(tiny_model_and_tokenizer, task):
     totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), small_batch(tokenizer), settings, "cpu")
     moved = (torch.cat([p.detach().flatten() for p in model.parameters()]) - before).norm().item()
     assert totals["grad_norm"] > 0.1 and moved == pytest.approx(0.05, rel=1e-4)
+    assert all(p.grad is None for p in model.parameters())  # left over, they would add into the next rollout step's gradient
+
+
+def test_each_optimizer_step_runs_at_its_scheduled_rate(tiny_model_and_tokenizer, task):
+    """4 rollouts, --train_batch_size 2: two optimizer steps, warm-up over 2 steps at peak 1e-3. The rate each
+    optimizer.step() runs with is 5e-4, then 1e-3 (a scheduler stepped before the optimizer would give 1e-3 twice)."""
+    base, tokenizer = tiny_model_and_tokenizer
+    settings, _ = settings_and_args(task, "--train_batch_size", "2", "--train_mini_batch_size", "2", "--loss_type", "reinforce_with_baseline")
+    model = copy.deepcopy(base)
+    rates = []
+
+    class RecordingSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            rates.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    optimizer = RecordingSGD(model.parameters(), lr=1e-3)
+    totals = update_policy(model, optimizer, build_scheduler(optimizer, 2, 10), small_batch(tokenizer), settings, "cpu")
+    assert totals["optimizer_steps"] == 2 and rates == pytest.approx([5e-4, 1e-3])
+
+
+def test_cosine_schedule_decays_to_a_tenth_of_the_peak():
+    """--lr_schedule cosine, 2 warm-up steps of 12: the factor rises 0.5, 1, then follows the half cosine from 1
+    to 0.1 over the 10 steps after warm-up (0.55 halfway), and stays at 0.1 past the end."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    scheduler = build_scheduler(optimizer, 2, 12, "cosine")
+    rates = []
+    for _ in range(16):
+        rates.append(optimizer.param_groups[0]["lr"] / 2.0)
+        optimizer.step()
+        scheduler.step()
+    assert rates[:3] == pytest.approx([0.5, 1.0, 1.0])
+    assert rates[7] == pytest.approx(0.55) and rates[12:] == pytest.approx([0.1] * 4)
+    assert all(a > b for a, b in zip(rates[2:12], rates[3:13]))
+
+
+def test_a_non_finite_loss_skips_the_step_and_leaves_the_weights(tiny_model_and_tokenizer, task, monkeypatch):
+    """A microbatch whose loss is NaN while its gradient stays finite: the optimizer step is skipped (counted),
+    the weights do not move, and no gradient is left behind."""
+    base, tokenizer = tiny_model_and_tokenizer
+    settings, _ = settings_and_args(task, "--loss_type", "reinforce_with_baseline")
+    real = policy_update.grpo_microbatch_train_step
+
+    def nan_loss(*args, **kwargs):
+        loss, meta = real(*args, **kwargs)
+        return loss * float("nan"), meta
+
+    monkeypatch.setattr(policy_update, "grpo_microbatch_train_step", nan_loss)
+    model = copy.deepcopy(base)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), small_batch(tokenizer), settings, "cpu")
+    assert (totals["skipped_steps"], totals["optimizer_steps"]) == (1, 0)
+    assert all(torch.equal(p.detach(), old) for p, old in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_weight_decay_reaches_adamw(tiny_model_and_tokenizer, task):
