@@ -2,6 +2,7 @@
 
 import json
 import random
+import re
 import sys
 
 import pytest
@@ -99,6 +100,29 @@ def test_output_of_a_stage_run_in_the_demos_process_is_logged_whole_and_shown_wi
 
 
 @pytest.mark.slow
+def test_the_demo_clears_only_folders_it_wrote(tmp_path):
+    """`--out runs --checkpoints checkpoints` (a real run's folders): a demo used to delete their sft, rl and
+    rl.state checkpoints and the sft/rl log folders on start. Now a folder holding anything the demo did not
+    write is refused, untouched; the demo's own folders (its marker) are cleared on a rerun as before."""
+    from alignment.errors import UserError
+    from alignment.toy import demo
+
+    runs, checkpoints = tmp_path / "runs", tmp_path / "checkpoints"
+    (runs / "rl").mkdir(parents=True)
+    (runs / "rl" / "steps.jsonl").write_text('{"step": 1}\n')
+    (checkpoints / "rl.state").mkdir(parents=True)
+    (checkpoints / "rl.state" / "counters.json").write_text("{}")
+    with pytest.raises(UserError, match=rf"--out {re.escape(str(runs))} holds files the demo did not write"):
+        demo.main(["--out", str(runs), "--checkpoints", str(tmp_path / "fresh")])
+    with pytest.raises(UserError, match=rf"--checkpoints {re.escape(str(checkpoints))} holds files the demo did not write"):
+        demo.main(["--out", str(tmp_path / "fresh_runs"), "--checkpoints", str(checkpoints)])
+    assert (runs / "rl" / "steps.jsonl").read_text() == '{"step": 1}\n' and (checkpoints / "rl.state" / "counters.json").is_file()
+    assert not (tmp_path / "fresh").exists() and not (tmp_path / "fresh_runs").exists()  # refused before either folder was made
+    demo.claim_demo_folders(tmp_path / "mine", tmp_path / "mine_ck")  # the demo's own: claimed again on a rerun
+    ((tmp_path / "mine") / "rl").mkdir()
+    demo.claim_demo_folders(tmp_path / "mine", tmp_path / "mine_ck")
+
+
 def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path, capsys):
     """The real demo (the trainers' CLIs in subprocesses, the evaluations' main() in its process, default backend),
     fewer problems and steps. Its console shows this project's lines only; the stage logs keep the libraries' too."""

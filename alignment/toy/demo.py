@@ -47,7 +47,7 @@ import threading
 import time
 from pathlib import Path
 
-from alignment.errors import run_cli
+from alignment.errors import UserError, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `alignment` package
 
@@ -150,6 +150,24 @@ def _run(stage: str, module: str, flags: list[str], log_dir: Path, in_process: b
     return time.perf_counter() - started
 
 
+DEMO_MARKER = ".alignment-demo"
+
+
+def claim_demo_folders(out: Path, checkpoints: Path) -> None:
+    """The demo's two folders are new, empty or the demo's own (its marker): a rerun clears what the
+    last demo wrote there, so a folder holding anything else (a real run's checkpoints or logs, at
+    --out runs --checkpoints checkpoints) is refused before anything is changed."""
+    for folder, flag in ((out, "--out"), (checkpoints, "--checkpoints")):
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"{flag} {folder} is a file, not a folder; pass another {flag} (nothing was changed)")
+        if folder.is_dir() and any(folder.iterdir()) and not (folder / DEMO_MARKER).is_file():
+            raise UserError(f"{flag} {folder} holds files the demo did not write, and a demo clears its folders when it runs again; "
+                            f"pass a new or empty {flag} (nothing was changed)")
+    for folder in (out, checkpoints):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / DEMO_MARKER).write_text("written by alignment.toy.demo: the next demo here clears its checkpoints and curves\n")
+
+
 def vllm_available() -> bool:
     try:
         importlib.import_module("vllm")
@@ -173,19 +191,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--rl_extra", default="", help="more train_rl flags for the RL stage, space-separated (e.g. --rl_extra=--pack_sequences)")
     args = parser.parse_args(argv)
 
-    from alignment.checkpoint import remove_output
+    from alignment.checkpoint import OutputLock, remove_output
     from alignment.plot import plot_run
     from alignment.toy.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
     from alignment.toy.tiny_model import build_tiny_checkpoint, r1_zero_whole_tokens
 
     started = time.perf_counter()
     out, checkpoints = Path(args.out), Path(args.checkpoints)
-    out.mkdir(parents=True, exist_ok=True)
-    # a rerun starts clean: no old weights (only folders this tool wrote are removed), no old curves
-    for stale, kind in ((checkpoints / "sft", "sft_checkpoint"), (checkpoints / "rl", "rl_checkpoint"), (checkpoints / "rl.state", "training_state")):
-        remove_output(stale, kind)
-    for stale in (out / "sft", out / "rl"):
-        shutil.rmtree(stale, ignore_errors=True)
+    claim_demo_folders(out, checkpoints)
+    # a rerun starts clean: no old weights (only folders this tool wrote are removed), no old curves; under the
+    # stages' locks, so that a demo still running on these paths is named, not cleared away
+    stale_checkpoints = ((checkpoints / "sft", "sft_checkpoint"), (checkpoints / "rl", "rl_checkpoint"), (checkpoints / "rl.state", "training_state"))
+    with OutputLock([(path, "--checkpoints") for path, _ in stale_checkpoints] + [(out / "sft", "--out"), (out / "rl", "--out")]):
+        for stale, kind in stale_checkpoints:
+            remove_output(stale, kind)
+        for stale in (out / "sft", out / "rl"):
+            shutil.rmtree(stale, ignore_errors=True)
     backend = ("vllm" if vllm_available() else "hf") if args.backend == "auto" else args.backend
     task = {**CONFIG["task"], **{key: value for key, value in (("num_train", args.num_train), ("num_test", args.num_test)) if value}}
     data = write_synthetic_gsm8k(out / "data", seed=args.seed, **task)
