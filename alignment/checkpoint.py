@@ -177,6 +177,11 @@ def start_model_name(model) -> str:
     return str(Path(model).resolve()) if Path(model).exists() else str(model)
 
 
+def same_path(recorded, expected) -> bool:
+    """Whether a path a file records (a metrics.json's `model_path`) names `expected`: equal as written, or resolved."""
+    return str(recorded) == str(expected) or Path(recorded).resolve() == Path(expected).resolve()
+
+
 def start_over(run_dir, *folders) -> str:
     """'remove A and B': what to remove so that a rerun starts over. The log folder is named
     too when it holds a run's logs, since a new run refuses it (claim_log_folder)."""
@@ -595,7 +600,7 @@ def state_step(state_dir) -> int | None:
     return manifest.get("step") if manifest else None
 
 
-def load_training_state(state_dir, run_dir=None) -> dict | None:
+def load_training_state(state_dir, run_dir) -> dict | None:
     """The latest state written by `save_training_state`, checked, or None if there is none.
 
     Every file is verified against the manifest first; nothing is unpickled beyond
@@ -610,7 +615,7 @@ def load_training_state(state_dir, run_dir=None) -> dict | None:
     state_dir = Path(state_dir)
     if not has_training_state(state_dir):
         return None
-    advice = f"the training state in {state_dir} cannot be resumed; {start_over(run_dir, state_dir) if run_dir else 'remove it'} to start over"
+    advice = f"the training state in {state_dir} cannot be resumed; {start_over(run_dir, state_dir)} to start over"
     manifest = verify_manifest(state_dir, advice)
     try:
         state = json.loads((state_dir / "counters.json").read_text())

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from alignment.args import check_checkpoint, parse_eval_args
-from alignment.checkpoint import OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, read_manifest, start_over
+from alignment.checkpoint import OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, read_manifest, same_path, start_over
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -225,7 +225,7 @@ def check_same_model(output_dir, model_path, default: bool) -> None:
         previous = json.loads((Path(output_dir) / "metrics.json").read_text()).get("model_path")
     except (OSError, ValueError, AttributeError):
         return
-    if previous is None or str(previous) == str(model_path) or Path(previous).resolve() == Path(model_path).resolve():
+    if previous is None or same_path(previous, model_path):
         return
     where = f"the default --output_dir {output_dir} (runs/eval/<model folder name>)" if default else f"--output_dir {output_dir}"
     raise UserError(f"{where} holds the evaluation of {previous} (metrics.json); pass another --output_dir to keep both, "

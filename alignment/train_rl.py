@@ -257,7 +257,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     total_peak = policy_peak_flops(roles, ranks.world_size, args.peak_tflops)
     rollout_sampling = SamplingSettings.from_args(args, "sampling_")
     weights = lambda: ranks.full_weights(model)  # noqa: E731 - the policy's weights, gathered under FSDP
-    skipped_in_a_row, trained_seconds = 0, 0.0
+    skipped_in_a_row, trained_seconds, stopping = 0, 0.0, False
     if args.evaluate_at_start and not state:  # step 0: the start checkpoint, evaluated as every later step is
         log.evaluation(0, evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, 0)[0], args.num_logged_rollouts)
 
@@ -339,15 +339,8 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
             save_policy(ranks, model, tokenizer, args.checkpoint_path, step, total_steps)
             say(f"epoch {step // steps_per_epoch - 1} done: saved policy to {args.checkpoint_path}")
         stopping = ranks.any_true(stop.received is not None)
-        if stopping and step == total_steps:  # the run has trained to its end: keep its result, skip only the final evaluation
-            if total_steps % steps_per_epoch:
-                save_policy(ranks, model, tokenizer, args.checkpoint_path, total_steps, total_steps)
-            if ranks.is_main:
-                remove_output(args.state_dir, "training_state", run_id=run["run_id"])
-            log.close()
-            ranks.close()
-            raise RunStopped(f"stopped by {stop.name} in the last step ({step}): the trained policy is saved to {args.checkpoint_path}; "
-                             f"its final evaluation did not run: rerun the same command to evaluate it", stop.exit_code)
+        if stopping and step == total_steps:  # trained to its end: saved below as any finished run, only the final evaluation is skipped
+            break
         if args.save_state_every and (step % args.save_state_every == 0 or stopping):
             save_state(args, ranks, model, tokenizer, optimizer, scheduler, {**progress, "epoch": (step - 1) // steps_per_epoch}, run)
         if stopping:  # every rank agreed, so every rank leaves together
@@ -362,6 +355,13 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     if total_steps % steps_per_epoch:  # stopped mid-epoch (--max_steps); at an epoch's end step 7 saved them
         save_policy(ranks, model, tokenizer, args.checkpoint_path, total_steps, total_steps)
         say(f"saved RL checkpoint to {args.checkpoint_path}")
+    if stopping:  # a signal in the last step: the run's result is kept, its state no longer needed
+        if ranks.is_main:
+            remove_output(args.state_dir, "training_state", run_id=run["run_id"])
+        log.close()
+        ranks.close()
+        raise RunStopped(f"stopped by {stop.name} in the last step ({total_steps}): the trained policy is saved to {args.checkpoint_path}; "
+                         f"its final evaluation did not run: rerun the same command to evaluate it", stop.exit_code)
     eval_metrics, _ = evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, total_steps)
     log.evaluation(total_steps, eval_metrics, args.num_logged_rollouts)
     if ranks.is_main:
@@ -377,10 +377,10 @@ def resume_hint(args) -> str:
     """What a stopped run leaves to continue from: its last training state and the command, or what a rerun does."""
     if has_training_state(args.state_dir):
         return f"the training state of step {state_step(args.state_dir)} is in {args.state_dir}; continue with:\n  {resume_command(None)}"
+    run_dir = Path(args.log_dir) / args.run_name
     if has_weights(args.checkpoint_path):  # an epoch's checkpoint: the seed's rule would evaluate it, not train on
         return (f"no training state was saved (--save_state_every 0); {args.checkpoint_path} holds the policy of an earlier epoch, "
-                f"which a rerun only evaluates: {start_over(Path(args.log_dir) / args.run_name, args.checkpoint_path)} to start over")
-    run_dir = Path(args.log_dir) / args.run_name
+                f"which a rerun only evaluates: {start_over(run_dir, args.checkpoint_path)} to start over")
     return (f"no training state was saved (--save_state_every 0), so a rerun starts over: under another --run_name "
             f"({run_dir} keeps this run's logs), or after removing {run_dir}")
 

@@ -47,7 +47,7 @@ from pathlib import Path
 from bench_trl import earlier_run
 from common import REPO_ROOT
 
-from alignment.checkpoint import read_manifest, start_model_name
+from alignment.checkpoint import read_manifest, same_path, start_model_name
 from alignment.plot import read_jsonl, training_minutes
 
 # The RL settings both trainers get (why each, and the runs behind them: bench/RESULTS.md "GSM8K, a real model").
@@ -329,10 +329,6 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "r
     draw(summary, out / "gsm8k_curves.png")
     print_table(summary)
     return summary
-
-
-def same_path(recorded: str, expected) -> bool:
-    return str(recorded) == str(expected) or Path(recorded).resolve() == Path(expected).resolve()
 
 
 def read_ours(run_dir: Path) -> dict:
