@@ -371,8 +371,17 @@ def _add_rl_evaluation_and_logging(parser) -> None:
 
 def parse_rl_args(argv=None) -> argparse.Namespace:
     args = build_rl_parser().parse_args(argv)
+    args.given_flags = given_flags(build_rl_parser(), argv)
     validate_rl_args(args)
     return args
+
+
+def given_flags(parser: argparse.ArgumentParser, argv=None) -> list[str]:
+    """The flags this command line sets itself, whatever their value (a flag left at its default is
+    not among them): `parser` parses `argv` again with every default replaced by a marker."""
+    unset = object()
+    parser.set_defaults(**{name: unset for name in vars(parser.parse_args([]))})
+    return sorted(name for name, value in vars(parser.parse_args(argv)).items() if value is not unset)
 
 
 def validate_rl_args(args) -> None:
@@ -467,7 +476,19 @@ RUN_DEFINING_FLAGS = (
     "adam_betas", "max_grad_norm", "rollout_staleness", "tis_cap", "mismatch_correction", "entropy_coef", "kl_estimator", "kl_in",
     "dynamic_sampling", "max_sampling_rounds", "dynamic_sampling_prompts", "overlong", "overlong_buffer",
 )
-_NOT_RECORDED = ("resume", "derived_flags")
+_NOT_RECORDED = ("resume", "derived_flags", "given_flags")
+# Flags that place, speed up, log or evaluate a run without changing the weights it trains:
+# an RL checkpoint is evaluated whatever they are. Any other flag given on the command line
+# must match the run that trained the checkpoint (check_checkpoint_flags).
+EVALUATION_SIDE_FLAGS = (
+    "checkpoint_path", "tmp_checkpoint_path", "state_dir", "log_dir", "run_name", "resume", "layout", "sample_device",
+    "reference_model_device", "eval_device", "policy_devices", "policy_parallel", "rollout_backend", "vllm_gpu_memory_utilization",
+    "vllm_kv_cache_gb", "vllm_enforce_eager", "hf_batch_size", "train_mini_batch_size", "microbatch_tokens", "gradient_checkpointing",
+    "torch_compile", "sampler_logprobs_every", "logprob_chunk_size", "pack_sequences", "log_reference_kl", "max_train_minutes",
+    "max_skipped_steps", "evaluate_freq", "evaluate_at_start", "eval_engine", "eval_split", "eval_num_examples", "eval_temperature",
+    "eval_top_p", "eval_min_tokens", "eval_max_tokens", "eval_samples", "eval_pass_k", "eval_samples_temperature", "log_every",
+    "peak_tflops", "num_logged_rollouts", "save_state_every",
+)
 _AUTO_FLAGS = ("torch_compile", "pack_sequences")  # None until resolve_speed_flags knows the device
 
 
@@ -519,6 +540,27 @@ def check_resume_flags(saved: dict, args, train_data_sha256: str, start_checkpoi
         if key not in RUN_DEFINING_FLAGS and hasattr(args, key) and flags[key] != _plain(getattr(args, key))
         and not (key in _AUTO_FLAGS and getattr(args, key) is None)  # left at auto: resolved again on this device
     ]
+
+
+def check_checkpoint_flags(saved: dict, args) -> None:
+    """Before train_rl only evaluates an existing RL checkpoint (the seed's rule): every training flag
+    this command gives must match the run that trained it (the `run` record of its manifest), or the
+    command would report another run's policy as its own (a sweep over --learning_rate into the
+    default --checkpoint_path evaluates the first run's policy for every rate). Raises UserError;
+    a checkpoint that records no run (an older version's) prints a note."""
+    flags = (saved.get("run") or {}).get("flags")
+    given = [name for name in getattr(args, "given_flags", []) if name not in EVALUATION_SIDE_FLAGS]
+    if not isinstance(flags, dict):
+        if given:
+            print(f"note: {args.checkpoint_path} records no training flags (an older version wrote it), so --{' --'.join(given)} "
+                  f"could not be checked against the run that trained it")
+        return
+    for name in given:
+        if name in flags and flags[name] != _plain(getattr(args, name)):
+            raise UserError(
+                f"--{name} is {_plain(getattr(args, name))!r} but the policy in {args.checkpoint_path} was trained with {flags[name]!r}, "
+                f"and train_rl only evaluates a checkpoint that exists: pass another --checkpoint_path (and --run_name) to train this run, "
+                f"or --{name} {flags[name]} (or leave it out) to evaluate that policy")
 
 
 def _check_data_dir(data_dir) -> None:

@@ -191,12 +191,14 @@ def rank_slice(items: list, ranks) -> list:
     return items[start:stop]
 
 
-def save_policy(ranks, model, tokenizer, path, step: int, total_steps: int) -> None:
+def save_policy(ranks, model, tokenizer, path, step: int, total_steps: int, run: dict) -> None:
     """Gather the full weights (a collective under torchrun); rank 0 writes the HF folder, its
-    manifest saying after which step of how many (an epoch's checkpoint of a longer run, or the result)."""
+    manifest saying after which step of how many (an epoch's checkpoint of a longer run, or the result)
+    and the run's record (its flags: a later command that only evaluates it is checked against them)."""
     state_dict = ranks.full_state_dict_on_main(model)
     if ranks.is_main:
-        save_model_atomically(model, tokenizer, path, "rl_checkpoint", state_dict=state_dict, record={"step": step, "total_steps": total_steps})
+        save_model_atomically(model, tokenizer, path, "rl_checkpoint", state_dict=state_dict,
+                              record={"step": step, "total_steps": total_steps, "run": run})
     ranks.barrier()
 
 

@@ -62,7 +62,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from alignment import distributed
-from alignment.args import (build_sft_parser, check_checkpoint, check_resume_flags, has_weights, model_context_length, parse_rl_args, read_model_config,
+from alignment.args import (build_sft_parser, check_checkpoint, check_checkpoint_flags, check_resume_flags, has_weights, model_context_length, parse_rl_args, read_model_config,
                             resolve_speed_flags, run_record)
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, folder_fingerprint,
                                   has_training_state, load_training_state, read_manifest, real_output_path, recover_checkpoint, remove_output, save_model_atomically,
@@ -336,7 +336,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         # 7. save: the policy after each pass over the data (seed), a training state every
         # --save_state_every steps and when a signal asks to stop
         if step % steps_per_epoch == 0:
-            save_policy(ranks, model, tokenizer, args.checkpoint_path, step, total_steps)
+            save_policy(ranks, model, tokenizer, args.checkpoint_path, step, total_steps, run)
             say(f"epoch {step // steps_per_epoch - 1} done: saved policy to {args.checkpoint_path}")
         stopping = ranks.any_true(stop.received is not None)
         if stopping and step == total_steps:  # trained to its end: saved below as any finished run, only the final evaluation is skipped
@@ -353,7 +353,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     # the final weights are saved before the final evaluation: a run that has trained keeps them whatever
     # happens during the evaluation (minutes on GSM8K; a scheduler's SIGKILL after its grace period)
     if total_steps % steps_per_epoch:  # stopped mid-epoch (--max_steps); at an epoch's end step 7 saved them
-        save_policy(ranks, model, tokenizer, args.checkpoint_path, total_steps, total_steps)
+        save_policy(ranks, model, tokenizer, args.checkpoint_path, total_steps, total_steps, run)
         say(f"saved RL checkpoint to {args.checkpoint_path}")
     if stopping:  # a signal in the last step: the run's result is kept, its state no longer needed
         if ranks.is_main:
@@ -425,6 +425,7 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
         # the seed's rule: an existing RL checkpoint is evaluated, never retrained (a finished
         # run removes its training state, so only an interrupted one trains past a checkpoint)
         check_checkpoint(args.checkpoint_path, "--checkpoint_path", f"{start_over(run_dir, args.checkpoint_path)} to train again")
+        check_checkpoint_flags(read_manifest(args.checkpoint_path) or {}, args)  # this command's training flags are that run's
         check_saved_model(args.checkpoint_path, f"the checkpoint cannot be evaluated; {start_over(run_dir, args.checkpoint_path)} to train again")
         check_model_folder(args.checkpoint_path, "--checkpoint_path")
         check_writable(run_dir, "--log_dir")

@@ -241,3 +241,19 @@ def test_every_command_in_the_readme_parses(toy_data):
         if flags == ["--help"]:
             continue
         parsers[tool](flags + ["--data_dir", str(toy_data)])
+
+
+def test_given_flags_are_the_ones_on_the_command_line_whatever_their_value():
+    """Eval-only checks only the training flags a command gives (check_checkpoint_flags): a flag
+    given with its default value counts, a flag left out does not, an abbreviation is its flag."""
+    from alignment.args import EVALUATION_SIDE_FLAGS, RUN_DEFINING_FLAGS, build_rl_parser, given_flags
+
+    argv = ["--learning_rate", "3e-6", "--no-skip_zero_signal", "--seed", "42", "--group_si", "8"]
+    assert given_flags(build_rl_parser(), argv) == ["group_size", "learning_rate", "seed", "skip_zero_signal"]
+    assert given_flags(build_rl_parser(), []) == []
+    assert parse_rl_args(argv).given_flags == ["group_size", "learning_rate", "seed", "skip_zero_signal"]
+    flags = set(vars(build_rl_parser().parse_args([])))
+    assert set(EVALUATION_SIDE_FLAGS) <= flags  # a misspelt name would leave its flag checked
+    assert not set(EVALUATION_SIDE_FLAGS) & set(RUN_DEFINING_FLAGS)
+    for trains in ("learning_rate", "warmup_steps", "num_epochs", "max_steps", "skip_zero_signal", "kl_coef"):
+        assert trains not in EVALUATION_SIDE_FLAGS

@@ -3,6 +3,7 @@ resume-or-evaluate, weight sync, and one step's loss against a hand computation.
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,46 @@ def test_existing_checkpoint_is_only_evaluated(pipeline, capsys):
     assert weights_digest(checkpoint) == before
     written = json.loads((pipeline.root / "runs" / name / "eval_only_metrics.json").read_text())
     assert written["num_examples"] == 8 and written["avg_all_rewards"] == metrics["avg_all_rewards"]
+
+
+def test_a_checkpoint_is_not_evaluated_for_a_run_with_other_training_flags(pipeline, capsys):
+    """A sweep `--learning_rate X --run_name X` into one --checkpoint_path: the second command found the
+    first run's weights and evaluated them as its own result (the seed's rule), for every X."""
+    from alignment.checkpoint import MANIFEST_NAME
+
+    name = "sweep"
+    flags = ("--rollout_backend", "hf", "--max_steps", "1", "--checkpoint_path", str(pipeline.root / name / "rl"))
+    train_rl.main(rl_flags(pipeline, "sweep_lr_1e-4", *flags, "--learning_rate", "1e-4"))
+    checkpoint = pipeline.root / name / "rl"
+    before = weights_digest(checkpoint)
+    with pytest.raises(UserError, match=r"^--learning_rate is 3e-05 but the policy in .*sweep/rl was trained with 0.0001, and train_rl only "
+                                        r"evaluates a checkpoint that exists: pass another --checkpoint_path \(and --run_name\) to train "
+                                        r"this run, or --learning_rate 0.0001 \(or leave it out\) to evaluate that policy$"):
+        train_rl.main(rl_flags(pipeline, "sweep_lr_3e-5", *flags, "--learning_rate", "3e-5"))
+    with pytest.raises(UserError, match=r"^--seed is 2 but .* was trained with 42"):  # a seed sweep alike
+        train_rl.main(rl_flags(pipeline, "sweep_seed_2", *flags, "--learning_rate", "1e-4", "--seed", "2"))
+    assert not (pipeline.root / "runs" / "sweep_lr_3e-5").exists() and not (pipeline.root / "runs" / "sweep_seed_2").exists()
+    assert weights_digest(checkpoint) == before
+    # the flags it was trained with, other evaluation flags, or no training flag at all: evaluated
+    capsys.readouterr()
+    train_rl.main(rl_flags(pipeline, "sweep_again", *flags, "--learning_rate", "1e-4", "--eval_num_examples", "4", "--layout", "auto"))
+    assert "already holds weights: evaluating it (no training)" in capsys.readouterr().out
+    assert json.loads((pipeline.root / "runs" / "sweep_again" / "eval_only_metrics.json").read_text())["num_examples"] == 4
+    plain = ["--checkpoint_path", str(checkpoint), "--sft_checkpoint_path", str(pipeline.sft), "--data_dir", str(pipeline.data),
+             "--log_dir", str(pipeline.root / "runs"), "--run_name", "sweep_plain", "--rollout_backend", "hf", "--layout", "auto",
+             "--eval_num_examples", "4", "--eval_max_tokens", "24"]
+    train_rl.main(plain)
+    assert (pipeline.root / "runs" / "sweep_plain" / "eval_only_metrics.json").is_file()
+    # a checkpoint an older version wrote records no run: evaluated, with a note that the flags went unchecked
+    manifest_path = checkpoint / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["run"]["flags"]["learning_rate"] == 1e-4
+    del manifest["run"]
+    manifest_path.write_text(json.dumps(manifest))
+    capsys.readouterr()
+    train_rl.main(rl_flags(pipeline, "sweep_old", *flags, "--learning_rate", "3e-5"))
+    assert re.search(r"note: .*sweep/rl records no training flags \(an older version wrote it\), so --.*--learning_rate.* could not be checked",
+                     capsys.readouterr().out)
 
 
 def test_evaluate_at_start_evaluates_the_start_weights_as_step_0(pipeline, monkeypatch):
