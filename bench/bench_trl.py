@@ -31,7 +31,7 @@ it, as train_rl's flag does, and saves that round's checkpoint too.
 Numerics are TRL's defaults in both: the policy loaded in fp32 (`model_init_kwargs`
 default) and trained under bf16 autocast, i.e. fp32 master weights, as train_rl does.
 Each step's wall time, TRL's own timers (generation, weight sync, reward, scoring,
-loss) and the GPU's peak memory go to <out>/steps.jsonl; the median of steps 2..N is printed.
+loss) and the GPU's peak memory go to <out>/steps.jsonl (W1: <out>/w1_steps.jsonl); the median of steps 2..N is printed.
 """
 
 import argparse
@@ -48,6 +48,17 @@ def earlier_run(out: Path) -> list[str]:
     """What a GSM8K run left in `out` (its checkpoints, its steps log): a new run there would
     mix its checkpoints with these, and bench_gsm8k would evaluate both as one run's."""
     return sorted(path.name for path in Path(out).glob("checkpoint-*")) + (["steps.jsonl"] if (Path(out) / "steps.jsonl").is_file() else [])
+
+
+def start_steps_log(out, workload: str) -> Path:
+    """The file each optimizer step's row goes to, emptied: GSM8K's `<out>/steps.jsonl` (bench_gsm8k reads
+    it; main refuses an `out` that holds one already), W1's `<out>/w1_steps.jsonl`, so that a W1 run into
+    the default --out never removes the steps log of a GSM8K run there."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps_log = out / ("steps.jsonl" if workload == "gsm8k" else f"{workload}_steps.jsonl")
+    steps_log.unlink(missing_ok=True)  # W1's own log of an earlier run: a benchmark rerun replaces its numbers
+    return steps_log
 
 
 def time_box_ends(elapsed_seconds: float, minutes: float | None, step: int, optimizer_steps_per_round: int, max_steps: int) -> bool:
@@ -156,10 +167,7 @@ def main():
         original_log(self, duration)
 
     profiling.ProfilingContext._log_metrics = record
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    steps_log = out / "steps.jsonl"
-    steps_log.unlink(missing_ok=True)
+    steps_log = start_steps_log(args.out, args.workload)
 
     class StepClock(TrainerCallback):
         """Each optimizer step's wall time, TRL's timers and reward, one JSON line per step."""

@@ -219,6 +219,20 @@ def test_trl_refuses_an_out_that_holds_an_earlier_run_before_any_work(tmp_path):
         assert "Traceback" not in result.stderr, result.stderr[-2000:]
 
 
+def test_a_trl_w1_run_keeps_a_gsm8k_runs_steps_log_in_the_same_out(monkeypatch, tmp_path):
+    """W1 and GSM8K share bench_trl's default --out: W1 emptied <out>/steps.jsonl, the GSM8K run's log there."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    from bench_trl import earlier_run, start_steps_log
+
+    gsm8k_rows = '{"step": 1, "step_seconds": 3.2}\n'
+    (tmp_path / "steps.jsonl").write_text(gsm8k_rows)
+    (tmp_path / "w1_steps.jsonl").write_text('{"step": 1}\n')  # an earlier W1 run's: replaced
+    assert start_steps_log(tmp_path, "w1") == tmp_path / "w1_steps.jsonl"
+    assert not (tmp_path / "w1_steps.jsonl").exists()
+    assert (tmp_path / "steps.jsonl").read_text() == gsm8k_rows and earlier_run(tmp_path) == ["steps.jsonl"]
+    assert start_steps_log(tmp_path / "new", "gsm8k") == tmp_path / "new" / "steps.jsonl" and (tmp_path / "new").is_dir()
+
+
 def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypatch, tmp_path, capsys):
     """--no-recipe without --variant runs TRL alone: the summary has TRL's evaluations, its rollout-step timings
     (two optimizer steps per rollout step, summed) and no run of ours."""
