@@ -600,6 +600,25 @@ def state_step(state_dir) -> int | None:
     return manifest.get("step") if manifest else None
 
 
+def unfinished_runs_from(checkpoint_path) -> list[tuple[Path, int | None]]:
+    """The training states beside `checkpoint_path` (folders of its parent, where train_rl's
+    default `<checkpoint_path>.state` lies) of unfinished RL runs that started from it: their
+    run record's start-checkpoint fingerprint is this folder's. Each as (state folder, its step).
+    Replacing the checkpoint would leave those runs unable to resume (--resume refuses another
+    start checkpoint: the KL reference would be another model)."""
+    path = Path(checkpoint_path).absolute()
+    if read_manifest(path) is None or not path.parent.is_dir():
+        return []
+    fingerprint, found = None, []
+    for folder in sorted(path.parent.iterdir()):
+        if folder.is_dir() and folder != path and has_training_state(folder):
+            started_from = (read_manifest(folder).get("run") or {}).get("start_checkpoint_sha256")
+            fingerprint = fingerprint or folder_fingerprint(path)
+            if started_from == fingerprint:
+                found.append((folder, state_step(folder)))
+    return found
+
+
 def load_training_state(state_dir, run_dir) -> dict | None:
     """The latest state written by `save_training_state`, checked, or None if there is none.
 

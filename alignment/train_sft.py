@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from alignment.args import check_checkpoint, parse_sft_args
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, real_output_path,
-                                  recover_checkpoint, save_model_atomically, start_model_name)
+                                  recover_checkpoint, save_model_atomically, start_model_name, unfinished_runs_from)
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -167,6 +167,12 @@ def main(argv=None) -> dict:
     with OutputLock([(args.checkpoint_path, "--checkpoint_path"), (run_dir, "--log_dir/--run_name")]), StopOnSignal() as stop:
         recover_checkpoint(args.checkpoint_path)  # under the lock: no other run is writing there
         check_output_path(args.checkpoint_path, "--checkpoint_path", "sft_checkpoint")  # ours (an SFT checkpoint), empty or new; writable
+        unfinished = unfinished_runs_from(args.checkpoint_path)
+        if unfinished:  # an RL run that resumes needs the start it trained from
+            state_dir, step = unfinished[0]
+            raise UserError(f"--checkpoint_path {args.checkpoint_path} is the start of an unfinished RL run (its training state {state_dir}, step {step}), "
+                            f"which cannot resume from another start checkpoint: finish it first (train_rl --resume), remove {state_dir}, "
+                            f"or pass another --checkpoint_path")
         claim_log_folder(run_dir, "--log_dir/--run_name")
         return train(args, stop)
 

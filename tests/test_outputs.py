@@ -155,6 +155,33 @@ def test_resume_refuses_changed_training_data(tmp_path, monkeypatch):
         train_rl.main(flags(task, "data", "--save_state_every", "1", "--resume"))
 
 
+def test_train_sft_again_keeps_the_start_of_an_unfinished_rl_run(tmp_path, monkeypatch):
+    """An RL run stopped with a training state, then train_sft rerun into the SFT checkpoint it started from:
+    the checkpoint was replaced, and `train_rl --resume` then refused (another start checkpoint) with the old one gone."""
+    task = make_tiny_task(tmp_path, num_train=16, num_test=4, seed=6)
+    sft = tmp_path / "checkpoints" / "sft"
+
+    def sft_argv(name):
+        return ["--model", str(task.sft), "--checkpoint_path", str(sft), "--data_dir", str(task.data), "--log_dir", str(tmp_path / "runs"),
+                "--run_name", name, "--batch_size", "16", "--microbatch_size", "16", "--max_steps", "1", "--eval_num_examples", "2", "--eval_max_tokens", "4"]
+
+    train_sft.main(sft_argv("sft"))
+    rl = tmp_path / "checkpoints" / "rl"
+    # beside it: an unfinished run from another start, which does not hold the checkpoint
+    run_until_a_state_is_saved(monkeypatch, flags(task, "other", "--save_state_every", "1", checkpoint_path=tmp_path / "checkpoints" / "other"))
+    train_sft.main(sft_argv("sft_again"))  # nothing starts from it yet: replaced, as a rerun does
+    run_until_a_state_is_saved(monkeypatch, flags(task, "rl", "--save_state_every", "1", "--sft_checkpoint_path", str(sft), checkpoint_path=rl))
+    before = snapshot(sft)
+    with pytest.raises(UserError, match=rf"^--checkpoint_path {re.escape(str(sft))} is the start of an unfinished RL run \(its training state "
+                                        rf"{re.escape(str(rl))}.state, step 1\), which cannot resume from another start checkpoint: finish it first "
+                                        rf"\(train_rl --resume\), remove {re.escape(str(rl))}.state, or pass another --checkpoint_path$"):
+        train_sft.main(sft_argv("sft_third"))
+    assert snapshot(sft) == before and not (tmp_path / "runs" / "sft_third").exists()
+    train_rl.main(flags(task, "rl", "--save_state_every", "1", "--sft_checkpoint_path", str(sft), "--resume", checkpoint_path=rl))
+    assert not has_training_state(Path(f"{rl}.state"))  # finished: the state is gone, and SFT may run again
+    train_sft.main(sft_argv("sft_third"))
+
+
 # ------------------------------------------------------------- 4. one writer
 
 
