@@ -156,6 +156,12 @@ def evaluate_in_subprocess(model_path, args, output_dir, device: str) -> dict:
     return metrics
 
 
+def checkpoint_position(path) -> dict:
+    """An RL checkpoint's manifest step and its run's last step ({"step", "total_steps"}), or {} for another folder."""
+    saved = read_manifest(path) or {}
+    return {key: saved[key] for key in ("step", "total_steps") if isinstance(saved.get(key), int)}
+
+
 def evaluate_checkpoint(args) -> dict:
     """train_rl's rule from the seed: an existing RL checkpoint (--checkpoint_path) is evaluated,
     never retrained; with train_rl's eval flags (pass@k with --eval_samples), written beside its logs."""
@@ -165,8 +171,7 @@ def evaluate_checkpoint(args) -> dict:
     from alignment.devices import resolve_role_devices
 
     print(f"{args.checkpoint_path} already holds weights: evaluating it (no training)")
-    saved = read_manifest(args.checkpoint_path) or {}
-    saved_at = {key: saved[key] for key in ("step", "total_steps") if isinstance(saved.get(key), int)}
+    saved_at = checkpoint_position(args.checkpoint_path)
     if len(saved_at) == 2 and saved_at["step"] < saved_at["total_steps"]:
         print(f"note: {args.checkpoint_path} is the policy after step {saved_at['step']} of {saved_at['total_steps']} (an epoch's checkpoint of a run "
               f"that stopped before its end, with no training state to resume): not that run's result; {start_over(Path(args.log_dir) / args.run_name, args.checkpoint_path)} to train from the start")
@@ -214,22 +219,36 @@ def main(argv=None) -> dict:
     dataset = Gsm8kDataset(args.split, args.data_dir, limit=args.num_examples)
     with OutputLock([(output_dir, "--output_dir")]):  # two evaluations never write one folder at once
         claim_log_folder(output_dir, "--output_dir")
-        check_same_model(output_dir, args.model_path, default=args.output_dir is None)
+        check_replaceable(output_dir, args, len(dataset.prompts), default=args.output_dir is None)
         return _evaluate(args, dataset, output_dir)
 
 
-def check_same_model(output_dir, model_path, default: bool) -> None:
-    """An --output_dir that holds another model's metrics.json is refused: evaluating there would overwrite
-    them (two checkpoints named alike, a/rl and b/rl, share the default folder). The same model's are replaced."""
+# what an evaluation is of, as metrics.json records it: another value makes it another evaluation
+EVALUATION_SETUP = ("split", "num_examples", "temperature", "max_tokens")
+
+
+def check_replaceable(output_dir, args, num_examples: int, default: bool) -> None:
+    """An --output_dir whose metrics.json another evaluation wrote is refused: evaluating there would overwrite it.
+    Another model's (two checkpoints named alike, a/rl and b/rl, share the default folder), or the same model's
+    on another setup (a 20-example check would replace the whole split's). The same evaluation again replaces it."""
     try:
-        previous = json.loads((Path(output_dir) / "metrics.json").read_text()).get("model_path")
-    except (OSError, ValueError, AttributeError):
+        previous = json.loads((Path(output_dir) / "metrics.json").read_text())
+    except (OSError, ValueError):
         return
-    if previous is None or same_path(previous, model_path):
+    if not isinstance(previous, dict) or previous.get("model_path") is None:
         return
     where = f"the default --output_dir {output_dir} (runs/eval/<model folder name>)" if default else f"--output_dir {output_dir}"
-    raise UserError(f"{where} holds the evaluation of {previous} (metrics.json); pass another --output_dir to keep both, "
-                    f"or remove it to evaluate {model_path} there (nothing was changed)")
+    if not same_path(previous["model_path"], args.model_path):
+        raise UserError(f"{where} holds the evaluation of {previous['model_path']} (metrics.json); pass another --output_dir to keep both, "
+                        f"or remove it to evaluate {args.model_path} there (nothing was changed)")
+    setup = {"split": args.split, "num_examples": num_examples, "temperature": args.temperature, "max_tokens": args.max_tokens}
+    if any(key in previous and previous[key] != setup[key] for key in EVALUATION_SETUP):
+        raise UserError(f"{where} holds an evaluation of {args.model_path} on {_setup_text(previous)} (metrics.json); this one is on "
+                        f"{_setup_text(setup)}: pass another --output_dir to keep both, or remove it to replace it (nothing was changed)")
+
+
+def _setup_text(values: dict) -> str:
+    return f"{values.get('num_examples')} {values.get('split')} examples, temperature {values.get('temperature')}, max_tokens {values.get('max_tokens')}"
 
 
 def _evaluate(args, dataset, output_dir) -> dict:
@@ -245,7 +264,8 @@ def _evaluate(args, dataset, output_dir) -> dict:
     # both files at the end, one after the other: an evaluation stopped in its pass@k sampling (minutes)
     # once left its samples beside the previous evaluation's metrics.json
     write_jsonl(output_dir / "samples.jsonl", metrics.pop("samples"))
-    metrics.update(model_path=str(args.model_path), split=args.split, backend=args.backend, temperature=args.temperature, max_tokens=args.max_tokens)
+    metrics.update(model_path=str(args.model_path), split=args.split, backend=args.backend, temperature=args.temperature, max_tokens=args.max_tokens,
+                   **{f"checkpoint_{key}": value for key, value in checkpoint_position(args.model_path).items()})
     write_json(output_dir / "metrics.json", metrics)
     print(format_metrics_table(metrics, f"{args.model_path} on {args.split} ({args.backend})"))
     print(f"wrote {output_dir / 'metrics.json'} and {output_dir / 'samples.jsonl'}")

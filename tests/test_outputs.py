@@ -793,6 +793,30 @@ def test_lock_files_are_the_tools_own(pipeline, capsys):
     assert (pipeline.root / "foreign_lock" / ".rl.alignment-lock").read_text() == "a file of mine"
 
 
+def test_evaluate_keeps_a_whole_split_evaluation_from_a_quick_check_of_the_same_model(pipeline, monkeypatch):
+    """`--num_examples 20` on a checkpoint evaluated on the whole split: the default --output_dir is the same
+    (runs/eval/<name>), and the quick check replaced the full evaluation's metrics.json and samples.jsonl."""
+    monkeypatch.chdir(pipeline.root)
+    model = pipeline.root / "quick" / "checked"
+    _sft_checkpoint_of_ours(pipeline, model)
+    common = ["--model_path", str(model), "--backend", "hf", "--data_dir", str(pipeline.data)]
+    evaluate.main([*common, "--max_tokens", "4"])
+    folder = pipeline.root / "runs" / "eval" / "checked"
+    written = snapshot(folder)
+    assert json.loads(written["metrics.json"])["num_examples"] == 8
+    for other, setup in ((["--num_examples", "2", "--max_tokens", "4"], "2 test examples, temperature 0.0, max_tokens 4"),
+                         (["--max_tokens", "6"], "8 test examples, temperature 0.0, max_tokens 6"),
+                         (["--split", "train", "--num_examples", "8", "--max_tokens", "4"], "8 train examples, temperature 0.0, max_tokens 4")):
+        with pytest.raises(UserError, match=rf"^the default --output_dir runs/eval/checked \(runs/eval/<model folder name>\) holds an evaluation of "
+                                            rf".*quick/checked on 8 test examples, temperature 0.0, max_tokens 4 \(metrics.json\); this one is on {setup}: "
+                                            r"pass another --output_dir to keep both, or remove it to replace it \(nothing was changed\)$"):
+            evaluate.main([*common, *other])
+        assert snapshot(folder) == written
+    evaluate.main([*common, "--max_tokens", "4", "--seed", "3"])  # the same evaluation again: replaced
+    evaluate.main([*common, "--num_examples", "2", "--max_tokens", "4", "--output_dir", "runs/eval/quick_check"])
+    assert json.loads(snapshot(folder)["metrics.json"])["num_examples"] == 8
+
+
 HOLD_EVAL_LOCK = """
 import sys, time
 from alignment.checkpoint import OutputLock
@@ -821,9 +845,15 @@ def test_evaluate_keeps_another_models_metrics_and_one_writer_per_folder(pipelin
     def stopped(*args):
         raise KeyboardInterrupt  # Ctrl-C during pass@k sampling
 
+    def graded_again(*args):  # samples that differ from the first evaluation's (greedy would repeat them)
+        metrics = real_evaluate_math(*args)
+        return {**metrics, "samples": [{**sample, "evaluation": "second"} for sample in metrics["samples"]]}
+
+    real_evaluate_math = evaluate.evaluate_math
+    monkeypatch.setattr(evaluate, "evaluate_math", graded_again)
     monkeypatch.setattr(evaluate, "add_pass_at_k", stopped)
     with pytest.raises(KeyboardInterrupt):
-        evaluate.main(["--model_path", str(first), *common[:-4], "--num_examples", "3", "--max_tokens", "6", "--samples", "4"])
+        evaluate.main(["--model_path", str(first), *common, "--samples", "4"])
     assert snapshot(pipeline.root / "runs" / "eval" / "rl") == written  # samples and metrics of one evaluation, not two
     monkeypatch.undo()
     monkeypatch.chdir(pipeline.root)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from alignment import train_rl
+from alignment import evaluate, train_rl
 from alignment.errors import UserError
 from alignment.flops import update_flops
 from alignment.optim import build_optimizer, build_scheduler
@@ -77,6 +77,11 @@ def test_existing_checkpoint_is_only_evaluated(pipeline, capsys):
     assert weights_digest(checkpoint) == before
     written = json.loads((pipeline.root / "runs" / name / "eval_only_metrics.json").read_text())
     assert written["num_examples"] == 8 and written["avg_all_rewards"] == metrics["avg_all_rewards"]
+    # alignment.evaluate on it records which step's policy it graded, as the eval-only run does
+    evaluate.main(["--model_path", str(checkpoint), "--backend", "hf", "--data_dir", str(pipeline.data), "--max_tokens", "24",
+                   "--output_dir", str(pipeline.root / "runs" / "evaluate_rl")])
+    graded = json.loads((pipeline.root / "runs" / "evaluate_rl" / "metrics.json").read_text())
+    assert (graded["checkpoint_step"], graded["checkpoint_total_steps"]) == (1, 1) and graded["avg_all_rewards"] == metrics["avg_all_rewards"]
 
 
 def test_a_checkpoint_is_not_evaluated_for_a_run_with_other_training_flags(pipeline, capsys):
