@@ -442,9 +442,6 @@ def write_atomically(path, write_into, kind: str, record: dict | None = None) ->
             elif path.exists():
                 os.rename(path, backup)
             os.rename(temp, path)
-            (path / TEMP_MARKER_NAME).unlink(missing_ok=True)  # in place now: no longer a temp folder
-            if backup.exists():
-                shutil.rmtree(backup)
         except Exception as error:  # OSError, and torch.save's RuntimeError on a full disk
             shutil.rmtree(temp, ignore_errors=True)
             if not path.exists() and _backup_path(path).is_dir():
@@ -453,6 +450,14 @@ def write_atomically(path, write_into, kind: str, record: dict | None = None) ->
             reason = (error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0] if str(error) else type(error).__name__)
             raise UserError(f"could not write {path} ({reason}; {_free_space(path.parent)} free there); {kept}; "
                             "free some space or check the path, and run again (--resume continues from the last saved state)") from None
+        # saved: what is left only tidies up, and a failure here must not report the save as failed (the
+        # caller would stop a run whose new folder is in place); recover_checkpoint removes a leftover backup
+        try:
+            (path / TEMP_MARKER_NAME).unlink(missing_ok=True)  # in place now: no longer a temp folder
+            if backup.exists():
+                shutil.rmtree(backup)
+        except OSError as error:
+            print(f"warning: saved {path}, but could not remove the previous copy {backup} ({error.strerror or error}); remove it by hand if it is still there")
     return path
 
 

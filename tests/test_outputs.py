@@ -236,6 +236,27 @@ def test_concurrent_atomic_writes_never_raise_and_leave_one_whole_folder(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.alignment-lock", "ckpt"]  # no temp folder or backup left
 
 
+def test_a_save_whose_old_copy_cannot_be_removed_is_still_a_save(tmp_path, monkeypatch, capsys):
+    """The new folder was in place when removing the previous copy failed (a busy NFS file, a permission):
+    the save was reported as failed ("could not write ...; the previous ... is intact"), and the run stopped."""
+    target = tmp_path / "ckpt"
+    write_atomically(target, lambda folder: (folder / "weights.txt").write_text("step 1"), kind="rl_checkpoint")
+    real_rmtree = shutil.rmtree
+
+    def busy_backup(path, *args, **kwargs):
+        if Path(path).name == ".ckpt.alignment-old" and not kwargs.get("ignore_errors"):
+            raise OSError(16, "Device or resource busy")
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", busy_backup)
+    assert write_atomically(target, lambda folder: (folder / "weights.txt").write_text("step 2"), kind="rl_checkpoint") == target
+    monkeypatch.undo()
+    assert (target / "weights.txt").read_text() == "step 2" and verify_manifest(target, "")["kind"] == "rl_checkpoint"
+    assert f"warning: saved {target}, but could not remove the previous copy {tmp_path / '.ckpt.alignment-old'} (Device or resource busy)" in capsys.readouterr().out
+    write_atomically(target, lambda folder: (folder / "weights.txt").write_text("step 3"), kind="rl_checkpoint")  # the leftover goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.alignment-lock", "ckpt"] and (target / "weights.txt").read_text() == "step 3"
+
+
 # ---------------------------------------------------------- 5. integrity
 
 
