@@ -287,6 +287,29 @@ def test_non_finite_gradient_skips_the_step(pipeline):
     assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
 
 
+def test_the_sampler_gap_is_measured_on_the_batchs_first_optimizer_step_only(pipeline):
+    """train/sampler_logprob_abs_diff compares the sampler with the weights that sampled: only the rows of a batch's
+    first optimizer step are scored before any update. Counting later steps too mixed in what the update changed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pipeline.sft)
+    prompts = [f"User: Ava has {i} apples.\nAssistant: <think>" for i in range(8)]
+    batch = {**tokenize_rollouts(prompts, [f" {i} plus {i} </answer>"[: 8 + i] for i in range(8)], tokenizer),
+             "raw_rewards": torch.zeros(8), "advantages": torch.linspace(-1, 1, 8)}
+    batch["lengths"] = sequence_lengths(batch["response_mask"])
+    model = AutoModelForCausalLM.from_pretrained(pipeline.sft, dtype=torch.float32)
+    start = score_with(model, batch, 8, "cpu", 0)
+    batch["sampler_log_probs"] = start - 0.25  # the sampler 0.25 nats/token below the start weights, on every token
+    args = update_settings(train_batch_size=4, train_mini_batch_size=2, loss_type="reinforce_with_baseline", max_grad_norm=1e9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the second step's rows score far from the start
+    totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 2), batch, args, "cpu")
+    first_step_tokens = int(batch["response_mask"][:4].sum())
+    assert totals["optimizer_steps"] == 2 and first_step_tokens < int(batch["response_mask"].sum())
+    assert totals["sampler_tokens"] == first_step_tokens
+    assert totals["sampler_abs_diff"] == pytest.approx(0.25 * first_step_tokens, rel=1e-4)
+    assert totals["sampler_ratio_max"] == pytest.approx(float(torch.exp(torch.tensor(0.25))), rel=1e-4)
+
+
 def test_each_rollout_batch_gets_its_own_shuffle(pipeline):
     """With several optimizer steps per batch, the rows of each step come from a per-step order."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
