@@ -451,7 +451,7 @@ def write_atomically(path, write_into, kind: str, record: dict | None = None) ->
             raise UserError(f"could not write {path} ({reason}; {_free_space(path.parent)} free there); {kept}; "
                             "free some space or check the path, and run again (--resume continues from the last saved state)") from None
         # saved: what is left only tidies up, and a failure here must not report the save as failed (the
-        # caller would stop a run whose new folder is in place); recover_checkpoint removes a leftover backup
+        # caller would stop a run whose new folder is in place); recover_checkpoint removes a leftover backup whose manifest is left
         try:
             (path / TEMP_MARKER_NAME).unlink(missing_ok=True)  # in place now: no longer a temp folder
             if backup.exists():
