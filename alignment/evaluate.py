@@ -224,13 +224,20 @@ def main(argv=None) -> dict:
 
 
 # what an evaluation is of, as metrics.json records it: another value makes it another evaluation
-EVALUATION_SETUP = ("split", "num_examples", "temperature", "max_tokens")
+# (metrics.json's key: the flag), "num_examples" being the examples graded
+EVALUATION_SETUP = {"split": "split", "num_examples": "num_examples", "temperature": "temperature", "top_p": "top_p", "min_tokens": "min_tokens",
+                    "max_tokens": "max_tokens", "repetition_penalty": "repetition_penalty", "pass_at_k_samples": "samples"}
+
+
+def evaluation_setup(args, num_examples: int) -> dict:
+    return {key: num_examples if key == "num_examples" else getattr(args, flag) for key, flag in EVALUATION_SETUP.items()}
 
 
 def check_replaceable(output_dir, args, num_examples: int, default: bool) -> None:
     """An --output_dir whose metrics.json another evaluation wrote is refused: evaluating there would overwrite it.
     Another model's (two checkpoints named alike, a/rl and b/rl, share the default folder), or the same model's
-    on another setup (a 20-example check would replace the whole split's). The same evaluation again replaces it."""
+    on another setup (a 20-example check would replace the whole split's; another --repetition_penalty, a
+    plain rerun after pass@k sampling). The same evaluation again replaces it."""
     try:
         previous = json.loads((Path(output_dir) / "metrics.json").read_text())
     except (OSError, ValueError):
@@ -241,14 +248,17 @@ def check_replaceable(output_dir, args, num_examples: int, default: bool) -> Non
     if not same_path(previous["model_path"], args.model_path):
         raise UserError(f"{where} holds the evaluation of {previous['model_path']} (metrics.json); pass another --output_dir to keep both, "
                         f"or remove it to evaluate {args.model_path} there (nothing was changed)")
-    setup = {"split": args.split, "num_examples": num_examples, "temperature": args.temperature, "max_tokens": args.max_tokens}
-    if any(key in previous and previous[key] != setup[key] for key in EVALUATION_SETUP):
-        raise UserError(f"{where} holds an evaluation of {args.model_path} on {_setup_text(previous)} (metrics.json); this one is on "
-                        f"{_setup_text(setup)}: pass another --output_dir to keep both, or remove it to replace it (nothing was changed)")
+    setup = evaluation_setup(args, num_examples)
+    changed = [key for key in EVALUATION_SETUP if key in previous and previous[key] != setup[key]]
+    if changed:
+        raise UserError(f"{where} holds an evaluation of {args.model_path} on {_setup_text(previous, changed)} (metrics.json); this one is on "
+                        f"{_setup_text(setup, changed)}: pass another --output_dir to keep both, or remove it to replace it (nothing was changed)")
 
 
-def _setup_text(values: dict) -> str:
-    return f"{values.get('num_examples')} {values.get('split')} examples, temperature {values.get('temperature')}, max_tokens {values.get('max_tokens')}"
+def _setup_text(values: dict, changed: list[str]) -> str:
+    """'<N> <split> examples' and the other settings that differ, as '--flag value'."""
+    shown = [f"--{EVALUATION_SETUP[key]} {values[key]}" for key in changed if key not in ("split", "num_examples")]
+    return ", ".join([f"{values['num_examples']} {values['split']} examples", *shown])
 
 
 def _evaluate(args, dataset, output_dir) -> dict:
@@ -264,7 +274,7 @@ def _evaluate(args, dataset, output_dir) -> dict:
     # both files at the end, one after the other: an evaluation stopped in its pass@k sampling (minutes)
     # once left its samples beside the previous evaluation's metrics.json
     write_jsonl(output_dir / "samples.jsonl", metrics.pop("samples"))
-    metrics.update(model_path=str(args.model_path), split=args.split, backend=args.backend, temperature=args.temperature, max_tokens=args.max_tokens,
+    metrics.update(model_path=str(args.model_path), backend=args.backend, **evaluation_setup(args, metrics["num_examples"]),
                    **{f"checkpoint_{key}": value for key, value in checkpoint_position(args.model_path).items()})
     write_json(output_dir / "metrics.json", metrics)
     print(format_metrics_table(metrics, f"{args.model_path} on {args.split} ({args.backend})"))

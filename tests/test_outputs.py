@@ -825,14 +825,20 @@ def test_evaluate_keeps_a_whole_split_evaluation_from_a_quick_check_of_the_same_
     folder = pipeline.root / "runs" / "eval" / "checked"
     written = snapshot(folder)
     assert json.loads(written["metrics.json"])["num_examples"] == 8
-    for other, setup in ((["--num_examples", "2", "--max_tokens", "4"], "2 test examples, temperature 0.0, max_tokens 4"),
-                         (["--max_tokens", "6"], "8 test examples, temperature 0.0, max_tokens 6"),
-                         (["--split", "train", "--num_examples", "8", "--max_tokens", "4"], "8 train examples, temperature 0.0, max_tokens 4")):
+    for other, before, setup in ((["--num_examples", "2", "--max_tokens", "4"], "8 test examples", "2 test examples"),
+                                 (["--max_tokens", "6"], "8 test examples, --max_tokens 4", "8 test examples, --max_tokens 6"),
+                                 (["--split", "train", "--num_examples", "8", "--max_tokens", "4"], "8 test examples", "8 train examples"),
+                                 (["--max_tokens", "4", "--repetition_penalty", "1.0"], "8 test examples, --repetition_penalty 1.1",
+                                  "8 test examples, --repetition_penalty 1.0"),
+                                 (["--max_tokens", "4", "--samples", "2", "--pass_k", "2"], "8 test examples, --samples 0", "8 test examples, --samples 2")):
         with pytest.raises(UserError, match=rf"^the default --output_dir runs/eval/checked \(runs/eval/<model folder name>\) holds an evaluation of "
-                                            rf".*quick/checked on 8 test examples, temperature 0.0, max_tokens 4 \(metrics.json\); this one is on {setup}: "
+                                            rf".*quick/checked on {before} \(metrics.json\); this one is on {setup}: "
                                             r"pass another --output_dir to keep both, or remove it to replace it \(nothing was changed\)$"):
             evaluate.main([*common, *other])
         assert snapshot(folder) == written
+    recorded = json.loads(written["metrics.json"])
+    assert {key: recorded[key] for key in ("top_p", "min_tokens", "repetition_penalty", "pass_at_k_samples")} == {
+        "top_p": 1.0, "min_tokens": 0, "repetition_penalty": 1.1, "pass_at_k_samples": 0}
     evaluate.main([*common, "--max_tokens", "4", "--seed", "3"])  # the same evaluation again: replaced
     evaluate.main([*common, "--num_examples", "2", "--max_tokens", "4", "--output_dir", "runs/eval/quick_check"])
     assert json.loads(snapshot(folder)["metrics.json"])["num_examples"] == 8
@@ -861,7 +867,9 @@ def test_evaluate_keeps_another_models_metrics_and_one_writer_per_folder(pipelin
         evaluate.main(["--model_path", str(second), *common])
     assert snapshot(pipeline.root / "runs" / "eval" / "rl") == written
     evaluate.main(["--model_path", str(first), *common])  # the same model: its own evaluation is replaced
-    written = snapshot(pipeline.root / "runs" / "eval" / "rl")
+    passk = ["--model_path", str(first), *common, "--samples", "4", "--output_dir", "runs/eval/passk"]
+    evaluate.main(passk)
+    written = snapshot(pipeline.root / "runs" / "eval" / "passk")
 
     def stopped(*args):
         raise KeyboardInterrupt  # Ctrl-C during pass@k sampling
@@ -874,8 +882,8 @@ def test_evaluate_keeps_another_models_metrics_and_one_writer_per_folder(pipelin
     monkeypatch.setattr(evaluate, "evaluate_math", graded_again)
     monkeypatch.setattr(evaluate, "add_pass_at_k", stopped)
     with pytest.raises(KeyboardInterrupt):
-        evaluate.main(["--model_path", str(first), *common, "--samples", "4"])
-    assert snapshot(pipeline.root / "runs" / "eval" / "rl") == written  # samples and metrics of one evaluation, not two
+        evaluate.main(passk)
+    assert snapshot(pipeline.root / "runs" / "eval" / "passk") == written  # samples and metrics of one evaluation, not two
     monkeypatch.undo()
     monkeypatch.chdir(pipeline.root)
     evaluate.main(["--model_path", str(second), *common, "--output_dir", "runs/eval/b_rl"])
