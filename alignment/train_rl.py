@@ -150,7 +150,10 @@ def evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, ste
     # the seed's path: save the policy, evaluate it with a fresh vLLM engine on the eval device, in
     # a child process (vLLM keeps process-wide state: a second engine, once closed, breaks the sampler), pass@k there too
     save_model_atomically(model, tokenizer, args.tmp_checkpoint_path, "eval_checkpoint")
-    return evaluate_in_subprocess(args.tmp_checkpoint_path, args, Path(args.log_dir) / args.run_name / f"eval_step_{step}", roles["eval"]), False
+    output_dir = Path(args.log_dir) / args.run_name / f"eval_step_{step}"
+    for name in ("metrics.json", "samples.jsonl"):  # this run's evaluation of the step before a --resume, superseded whatever its flags
+        (output_dir / name).unlink(missing_ok=True)
+    return evaluate_in_subprocess(args.tmp_checkpoint_path, args, output_dir, roles["eval"]), False
 
 
 def place_roles(args, base_model_checkpoint_path, ranks, say) -> tuple[dict, torch.dtype, torch.dtype]:

@@ -240,6 +240,33 @@ def test_fresh_eval_engine_runs_in_a_child_process(pipeline, monkeypatch):
     assert weights_digest(pipeline.root / name / "rl_tmp") == weights_digest(pipeline.root / name / "rl")
 
 
+def test_a_resumed_run_replaces_its_own_fresh_evaluation_of_a_step(tmp_path, monkeypatch):
+    """--eval_engine fresh writes eval_step_N/ through alignment.evaluate, which refuses to replace an evaluation on
+    another setup. A run resumed with other eval flags (they may change on --resume) evaluates again a step its first
+    attempt had evaluated after its last state: that stale evaluation is this run's own, and goes first."""
+    from argparse import Namespace
+
+    step_dir = tmp_path / "runs" / "resumed" / "eval_step_3"
+    step_dir.mkdir(parents=True)
+    (step_dir / "metrics.json").write_text(json.dumps({"model_path": str(tmp_path / "rl_tmp"), "num_examples": 50}))
+    (step_dir / "samples.jsonl").write_text("{}\n")
+    seen = []
+
+    def child(model_path, args, output_dir, device):
+        seen.append(sorted(path.name for path in Path(output_dir).iterdir()))
+        return {"avg_all_rewards": 0.5}
+
+    monkeypatch.setattr(train_rl, "save_model_atomically", lambda *args, **kwargs: None)
+    monkeypatch.setattr(train_rl, "evaluate_in_subprocess", child)
+    args = Namespace(eval_engine="fresh", rollout_backend="vllm", rollout_sync_every=1, log_dir=str(tmp_path / "runs"), run_name="resumed",
+                     tmp_checkpoint_path=str(tmp_path / "rl_tmp"), eval_temperature=0.0, eval_top_p=1.0, eval_min_tokens=0, eval_max_tokens=8,
+                     repetition_penalty=1.0, seed=0)
+    from alignment.distributed import SingleProcess
+
+    metrics, synced = train_rl.evaluate_policy(args, None, None, None, None, {"eval": "cpu"}, SingleProcess(), 3)
+    assert seen == [[]] and metrics == {"avg_all_rewards": 0.5} and not synced
+
+
 def test_one_step_loss_equals_hand_computation(pipeline):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
