@@ -161,7 +161,7 @@ def claim_log_folder(folder, flag: str, run_id: str | None = None, resuming: boo
         raise UserError(f"{flag} {folder} is a file, not a folder; pass another --log_dir or --run_name (nothing was changed)")
     if folder.is_dir() and not _is_empty_folder(folder) and not marker.is_file():
         raise UserError(f"{flag} {folder} holds files this tool did not write; pass another --log_dir or --run_name, or move them away (nothing was changed)")
-    owner = _read_json(marker).get("run_id", "") if marker.is_file() else None
+    owner = log_folder_run_id(folder)
     earlier = run_logs(folder) if run_id is not None and owner != run_id and not (owner == "" and resuming) else None
     if earlier:
         raise UserError(f"{flag} {folder} holds the logs of an earlier run ({earlier}); pass another --run_name, "
@@ -170,6 +170,12 @@ def claim_log_folder(folder, flag: str, run_id: str | None = None, resuming: boo
     if owner is None or (run_id is not None and owner != run_id):
         folder.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps({"written_by": WRITER, "kind": "log_folder", **({"run_id": run_id} if run_id else {})}) + "\n")
+
+
+def log_folder_run_id(folder) -> str | None:
+    """The id of the training run a log folder is marked for ("" for a marker without one), or None (no marker)."""
+    marker = Path(folder) / LOG_MARKER_NAME
+    return _read_json(marker).get("run_id", "") if marker.is_file() else None
 
 
 def start_model_name(model) -> str:

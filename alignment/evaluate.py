@@ -22,7 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from alignment.args import check_checkpoint, parse_eval_args
-from alignment.checkpoint import OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, read_manifest, same_path, start_over
+from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, log_folder_run_id, read_manifest, run_logs,
+                                  same_path, start_over)
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -160,6 +161,27 @@ def checkpoint_position(path) -> dict:
     """An RL checkpoint's manifest step and its run's last step ({"step", "total_steps"}), or {} for another folder."""
     saved = read_manifest(path) or {}
     return {key: saved[key] for key in ("step", "total_steps") if isinstance(saved.get(key), int)}
+
+
+def check_eval_only_folder(run_dir, checkpoint_path) -> None:
+    """train_rl's evaluate-only rule writes eval_only_* into --log_dir/--run_name: refused when that folder holds
+    another training run's logs (--checkpoint_path rl_seed1 with the default --run_name rl would add its evaluation
+    to seed 42's curves) or another checkpoint's eval-only evaluation (it would be overwritten). Raises UserError."""
+    run_dir = Path(run_dir)
+    trained_by = (read_manifest(checkpoint_path) or {}).get("run") or {}
+    owner = log_folder_run_id(run_dir)
+    if trained_by.get("run_id") and owner and owner != trained_by["run_id"] and run_logs(run_dir):
+        own = (trained_by.get("flags") or {}).get("run_name")
+        raise UserError(f"--log_dir/--run_name {run_dir} holds the logs of another run ({run_logs(run_dir)}) than the one that trained {checkpoint_path}; "
+                        f"pass {f'--run_name {own} (its own) or ' if own else ''}another --run_name to evaluate it (nothing was changed)")
+    previous = run_dir / "eval_only_metrics.json"
+    try:
+        evaluated = json.loads(previous.read_text()).get("checkpoint_path")
+    except (OSError, ValueError, AttributeError):
+        return
+    if evaluated and not same_path(evaluated, checkpoint_path):
+        raise UserError(f"--log_dir/--run_name {run_dir} holds the evaluation of {evaluated} ({previous.name}); pass another --run_name to evaluate "
+                        f"{checkpoint_path} (nothing was changed)")
 
 
 def evaluate_checkpoint(args) -> dict:

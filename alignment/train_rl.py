@@ -72,7 +72,7 @@ from alignment.devices import format_role_table, one_device_roles, resolve_dtype
 from alignment.distributed import check_fsdp_sizes, rank_slice, reduce_reward_meta, reduce_totals, save_policy
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
 from alignment.errors import RunStopped, UserError, run_cli
-from alignment.evaluate import add_pass_at_k, evaluate_checkpoint, evaluate_in_subprocess, evaluate_math, summarize_samples, write_json, write_jsonl
+from alignment.evaluate import add_pass_at_k, check_eval_only_folder, evaluate_checkpoint, evaluate_in_subprocess, evaluate_math, summarize_samples, write_json, write_jsonl
 from alignment.flops import policy_peak_flops
 from alignment.grpo import LOSSES, advantages_from_scores, normalize_group_rewards, overlong_reward, sequence_kl
 from alignment.interrupts import StopOnSignal, resume_command
@@ -436,6 +436,7 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
             print(f"rank {os.environ['RANK']}: rank 0 evaluates {args.checkpoint_path}")
             return {}
         with OutputLock([(run_dir, "--log_dir/--run_name")]):
+            check_eval_only_folder(run_dir, args.checkpoint_path)  # another run's logs or another checkpoint's evaluation stay as they are
             claim_log_folder(run_dir, "--log_dir/--run_name")
             return evaluate_checkpoint(args)
     check_checkpoint(base_model_checkpoint_path, "--sft_checkpoint_path", "run `python -m alignment.train_sft` first or pass --sft_checkpoint_path")

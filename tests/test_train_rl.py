@@ -124,6 +124,33 @@ def test_a_checkpoint_is_not_evaluated_for_a_run_with_other_training_flags(pipel
                      capsys.readouterr().out)
 
 
+def test_an_evaluation_only_run_keeps_another_runs_logs_and_evaluation(pipeline):
+    """The README's second seed evaluated again without its --run_name (`--checkpoint_path checkpoints/rl_seed1`,
+    default --run_name rl): its eval_only_* went into seed 42's log folder, beside seed 42's curves."""
+    def snapshot(folder):
+        return {path.name: path.read_bytes() for path in sorted(Path(folder).iterdir()) if path.is_file()}
+
+    flags = ("--rollout_backend", "hf", "--max_steps", "1")
+    checkpoints = {name: pipeline.root / "own" / name for name in ("a", "b")}
+    for name, checkpoint in checkpoints.items():
+        train_rl.main(rl_flags(pipeline, f"own_{name}", *flags, "--checkpoint_path", str(checkpoint)))
+    runs = pipeline.root / "runs"
+    before = snapshot(runs / "own_a")
+    with pytest.raises(UserError, match=rf"^--log_dir/--run_name {re.escape(str(runs / 'own_a'))} holds the logs of another run \(steps 1-1 in "
+                                        rf"steps.jsonl\) than the one that trained .*own/b; pass --run_name own_b \(its own\) or another --run_name "
+                                        r"to evaluate it \(nothing was changed\)$"):
+        train_rl.main(rl_flags(pipeline, "own_a", *flags, "--checkpoint_path", str(checkpoints["b"])))
+    assert snapshot(runs / "own_a") == before
+    train_rl.main(rl_flags(pipeline, "own_b", *flags, "--checkpoint_path", str(checkpoints["b"])))  # its own folder: evaluated
+    train_rl.main(rl_flags(pipeline, "own_eval", *flags, "--checkpoint_path", str(checkpoints["b"])))  # a new one too
+    evaluated = snapshot(runs / "own_eval")
+    with pytest.raises(UserError, match=rf"^--log_dir/--run_name .*own_eval holds the evaluation of .*own/b \(eval_only_metrics.json\); "
+                                        r"pass another --run_name to evaluate .*own/a \(nothing was changed\)$"):
+        train_rl.main(rl_flags(pipeline, "own_eval", *flags, "--checkpoint_path", str(checkpoints["a"])))
+    assert snapshot(runs / "own_eval") == evaluated
+    train_rl.main(rl_flags(pipeline, "own_eval", *flags, "--checkpoint_path", str(checkpoints["b"])))  # the same checkpoint again: replaced
+
+
 def test_evaluate_at_start_evaluates_the_start_weights_as_step_0(pipeline, monkeypatch):
     """--evaluate_at_start: one evaluation before the first update, logged as step 0, of the SFT checkpoint's weights (on the synced vLLM sampler)."""
     from safetensors.torch import load_file
