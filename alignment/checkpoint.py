@@ -178,6 +178,22 @@ def log_folder_run_id(folder) -> str | None:
     return _read_json(marker).get("run_id", "") if marker.is_file() else None
 
 
+def check_sft_log_folder(folder, checkpoint_path) -> None:
+    """An SFT rerun hides the earlier run's TensorBoard curves (train_sft.open_log): right for the run whose
+    checkpoint it replaces, wrong for another SFT run's (another --checkpoint_path, the same default --run_name
+    sft). The marker records the checkpoint its curves belong to; a folder with another's curves is refused.
+    Call it before claim_log_folder; record_sft_log_folder after."""
+    recorded = _read_json(Path(folder) / LOG_MARKER_NAME).get("sft_checkpoint")
+    if recorded and not same_path(recorded, Path(checkpoint_path).absolute()) and any(Path(folder).glob("events.out.tfevents.*")):
+        raise UserError(f"--log_dir/--run_name {folder} holds the curves of the SFT run that wrote {recorded}; this run writes "
+                        f"{checkpoint_path}: pass another --run_name to keep both (nothing was changed)")
+
+
+def record_sft_log_folder(folder, checkpoint_path) -> None:
+    marker = Path(folder) / LOG_MARKER_NAME
+    marker.write_text(json.dumps({**_read_json(marker), "sft_checkpoint": str(Path(checkpoint_path).absolute())}) + "\n")
+
+
 def start_model_name(model) -> str:
     """A start model as a manifest records it (`start_model`): a local folder's absolute path, or the hub id."""
     return str(Path(model).resolve()) if Path(model).exists() else str(model)

@@ -26,8 +26,8 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from alignment.args import check_checkpoint, parse_sft_args
-from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, real_output_path,
-                                  recover_checkpoint, save_model_atomically, start_model_name, unfinished_runs_from)
+from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_sft_log_folder, check_writable, claim_log_folder,
+                                  real_output_path, record_sft_log_folder, recover_checkpoint, save_model_atomically, start_model_name, unfinished_runs_from)
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -54,7 +54,8 @@ def evaluate_sft(model, tokenizer, args, writer, step, dataset) -> dict:
 def open_log(run_dir: Path) -> SummaryWriter:
     """TensorBoard writer for this run. SFT replaces its checkpoint, so a rerun replaces the
     earlier run's curves too: its events are hidden from step 0 on (purge_step), not mixed
-    with this run's; their files stay on disk."""
+    with this run's; their files stay on disk. (Another checkpoint's curves are refused before:
+    check_sft_log_folder.)"""
     earlier = sorted(run_dir.glob("events.out.tfevents.*"))
     if earlier:
         print(f"{run_dir}: TensorBoard shows this run's curves in place of the earlier SFT run's ({len(earlier)} event file(s), kept on disk)")
@@ -173,7 +174,9 @@ def main(argv=None) -> dict:
             raise UserError(f"--checkpoint_path {args.checkpoint_path} is the start of an unfinished RL run (its training state {state_dir}, step {step}), "
                             f"which cannot resume from another start checkpoint: finish it first (train_rl --resume), remove {state_dir}, "
                             f"or pass another --checkpoint_path")
+        check_sft_log_folder(run_dir, args.checkpoint_path)  # the curves a rerun hides are the replaced checkpoint's only
         claim_log_folder(run_dir, "--log_dir/--run_name")
+        record_sft_log_folder(run_dir, args.checkpoint_path)
         return train(args, stop)
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -65,6 +66,15 @@ def test_an_sft_rerun_replaces_the_earlier_runs_curves_in_tensorboard(task, tmp_
     assert "in place of the earlier SFT run's (1 event file(s), kept on disk)" in capsys.readouterr().out
     assert logged_steps() == ([1, 2, 3, 4], [4])  # mixed, it would be both runs' 12 losses and two evaluations
     assert len(list((tmp_path / "runs" / "sft").glob("events.out.tfevents.*"))) == 2
+    # another checkpoint under the same (default) --run_name: its SFT run would hide these curves, though nothing replaces them
+    other = ["--model", str(task.sft), "--checkpoint_path", str(tmp_path / "sft_b"), "--data_dir", str(task.data), "--log_dir", str(tmp_path / "runs"),
+             "--batch_size", "16", "--microbatch_size", "16", "--max_steps", "1", "--eval_num_examples", "2", "--eval_max_tokens", "4"]
+    with pytest.raises(UserError, match=rf"^--log_dir/--run_name .*runs/sft holds the curves of the SFT run that wrote {re.escape(str(tmp_path / 'sft'))}; "
+                                        rf"this run writes .*sft_b: pass another --run_name to keep both \(nothing was changed\)$"):
+        train_sft.main(other)
+    assert logged_steps() == ([1, 2, 3, 4], [4]) and not (tmp_path / "sft_b").exists()
+    train_sft.main([*other, "--run_name", "sft_b"])
+    assert logged_steps() == ([1, 2, 3, 4], [4])
 
 
 def test_sft_keeps_its_trained_model_whatever_stops_the_final_evaluation(task, tmp_path, monkeypatch):
