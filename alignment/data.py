@@ -126,7 +126,7 @@ def _read_rows(path: Path) -> list[dict]:
                 raise UserError(f"{where}: {error}") from None
             rows.append({"question": row["question"], "answer": row["answer"], "ground_truth": ground_truth, "where": where})
     if not rows:
-        raise UserError(f"{path} holds no rows: re-download it with `python -m alignment.data download`")
+        raise UserError(f"{path} holds no rows: re-download it with `python -m alignment.data download --force`")
     return rows
 
 
@@ -177,8 +177,12 @@ class Gsm8kDataset(Dataset):
         return self.prompts[index], self.completions[index], self.ground_truths[index]
 
 
-def download_gsm8k(data_dir: str | os.PathLike = DEFAULT_DATA_DIR) -> None:
-    """Fetch `openai/gsm8k` (config `main`) with `datasets` and write the jsonl files."""
+def download_gsm8k(data_dir: str | os.PathLike = DEFAULT_DATA_DIR, force: bool = False) -> None:
+    """Fetch `openai/gsm8k` (config `main`) with `datasets` and write the jsonl files.
+
+    A file already there with other content (rows the user edited after a bad-row message,
+    another copy, the file a run's --resume checks by its SHA-256) is replaced only with
+    `force`; one with the same content is left as it is."""
     try:
         from datasets import load_dataset
 
@@ -188,13 +192,21 @@ def download_gsm8k(data_dir: str | os.PathLike = DEFAULT_DATA_DIR) -> None:
             f"could not download openai/gsm8k ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
             f"without internet, copy train.jsonl and test.jsonl into {data_dir}"
         ) from None
+    texts = {split: "".join(json.dumps({"question": row["question"], "answer": row["answer"]}, ensure_ascii=False) + "\n" for row in dataset[split])
+             for split in SPLITS}
+    differing = [split_path(data_dir, split) for split in SPLITS
+                 if split_path(data_dir, split).is_file() and split_path(data_dir, split).read_bytes() != texts[split].encode("utf-8")]
+    if differing and not force:
+        raise UserError(f"{' and '.join(str(path) for path in differing)} already there with other rows than openai/gsm8k's (edited, or another copy; "
+                        f"a training state's --resume checks train.jsonl); pass --force to replace them, or move them away (nothing was changed)")
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
         path = split_path(data_dir, split)
+        if path.is_file() and path not in differing:
+            print(f"{path}: already openai/gsm8k's {len(dataset[split])} rows, left as it is")
+            continue
         temp = path.with_suffix(".jsonl.tmp")
-        with open(temp, "w", encoding="utf-8") as handle:
-            for row in dataset[split]:
-                handle.write(json.dumps({"question": row["question"], "answer": row["answer"]}, ensure_ascii=False) + "\n")
+        temp.write_text(texts[split], encoding="utf-8")
         os.replace(temp, path)
         print(f"wrote {len(dataset[split])} rows to {path}")
 
@@ -203,9 +215,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m alignment.data", description="Fetch or check the GSM8K jsonl files.")
     parser.add_argument("command", choices=["download", "check"], help="download: fetch openai/gsm8k; check: parse every row")
     parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR, help="folder for train.jsonl and test.jsonl")
+    parser.add_argument("--force", action="store_true", help="download: replace files there that hold other rows (kept otherwise)")
     args = parser.parse_args(argv)
     if args.command == "download":
-        download_gsm8k(args.data_dir)
+        download_gsm8k(args.data_dir, args.force)
     for split in SPLITS:
         print(f"{split_path(args.data_dir, split)}: {len(load_gsm8k(split, args.data_dir))} rows parse")
 

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 
 import pytest
 
@@ -144,3 +145,26 @@ def test_a_data_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(hashlib, "file_digest", failing)
     with pytest.raises(UserError, match=r"train.jsonl cannot be read \(Input/output error\)"):
         data.data_fingerprint(tmp_path)
+
+
+def test_download_keeps_files_the_user_edited_unless_forced(tmp_path, monkeypatch, capsys):
+    """A bad-row message says to fix the row; the README's set-up command (`download`) run again later replaced
+    the edited train.jsonl without a word, and a training state's --resume then refused the changed file."""
+    import datasets
+
+    rows = {"train": [{"question": "1 + 1?", "answer": "2 #### 2"}, {"question": "2 + 3?", "answer": "5 #### 5"}],
+            "test": [{"question": "4 - 1?", "answer": "3 #### 3"}]}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config: rows)
+    data_main(["download", "--data_dir", str(tmp_path)])
+    original = {split: (tmp_path / f"{split}.jsonl").read_bytes() for split in ("train", "test")}
+    assert len(load_gsm8k("train", tmp_path)) == 2 and len(load_gsm8k("test", tmp_path)) == 1
+    edited = original["train"].splitlines(keepends=True)[0]  # the user removed a row
+    (tmp_path / "train.jsonl").write_bytes(edited)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(tmp_path / 'train.jsonl'))} already there with other rows than openai/gsm8k's .*"
+                                        r"pass --force to replace them, or move them away \(nothing was changed\)$"):
+        data_main(["download", "--data_dir", str(tmp_path)])
+    assert (tmp_path / "train.jsonl").read_bytes() == edited and (tmp_path / "test.jsonl").read_bytes() == original["test"]
+    capsys.readouterr()
+    data_main(["download", "--data_dir", str(tmp_path), "--force"])
+    assert {split: (tmp_path / f"{split}.jsonl").read_bytes() for split in ("train", "test")} == original
+    assert "test.jsonl: already openai/gsm8k's 1 rows, left as it is" in capsys.readouterr().out
