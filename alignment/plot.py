@@ -2,7 +2,7 @@
 
     python -m alignment.plot runs/rl                  # writes runs/rl/curves.png
     python -m alignment.plot runs/demo/rl --out curves.png
-    python -m alignment.plot runs/rl runs/rl_seed1 --out compare.png   # runs side by side
+    python -m alignment.plot runs/rl runs/rl_seed1                   # side by side: runs/compare_rl_vs_rl_seed1.png
     python -m alignment.plot bench/results/gsm8k_qwen15_h200_drgrpo_100steps.json:recipe_100_steps runs/rl
 
 Reads the run folder's steps.jsonl (one line of scalars per step, written by train_rl)
@@ -18,6 +18,7 @@ its runs, FILE.json:NAME for one. Headless (Agg).
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from alignment.errors import UserError, run_cli
@@ -174,17 +175,30 @@ def plot_run(run_dir, out=None, start_eval: dict | None = None) -> Path:
     return out
 
 
+def comparison_path(sources) -> Path:
+    """Where a comparison goes without --out: compare_<a>_vs_<b>.png, named for its runs so that another
+    comparison does not replace it, beside the first run folder (runs/ when all are results files, which
+    sit among tracked files)."""
+    names = []
+    for source in sources:
+        path, name = _split_source(source)
+        names.append(path.stem + (f"_{name}" if name else "") if _is_results_file(path) else path.name)
+    folders = [path for path, _ in map(_split_source, sources) if not _is_results_file(path)]
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", "_vs_".join(names))[:120]
+    return (folders[0].parent if folders else Path("runs")) / f"compare_{stem}.png"
+
+
 def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m alignment.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", nargs="+", help="a train_rl run folder (<log_dir>/<run_name>), holding steps.jsonl; several: side by side; "
                                                    "also a results file, FILE.json (all its runs) or FILE.json:NAME")
-    parser.add_argument("--out", default=None, help="PNG to write; default <run_dir>/curves.png, for several runs <first run's folder>/../compare.png")
+    parser.add_argument("--out", default=None, help="PNG to write; default <run_dir>/curves.png, for several runs compare_<run>_vs_<run>.png beside the first run's folder (runs/ for results files alone)")
     args = parser.parse_args(argv)
     first = _split_source(args.run_dir[0])[0]
     if len(args.run_dir) == 1 and not _is_results_file(first):
         out = plot_run(first, args.out)
     else:
-        out = plot_runs(args.run_dir, args.out or first.parent / "compare.png")
+        out = plot_runs(args.run_dir, args.out or comparison_path(args.run_dir))
     print(f"wrote {out}")
     return out
 

@@ -1,6 +1,7 @@
 """`python -m alignment.plot`: a run folder's steps.jsonl and evals.jsonl become one PNG."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -48,15 +49,17 @@ def test_plot_of_several_runs_draws_them_side_by_side_against_training_minutes(t
         (run / "evals.jsonl").write_text("".join(json.dumps({"step": s, "avg_all_rewards": reward + 0.1 * s}) + "\n" for s in (0, 3)))
         runs.append(str(run))
     out = main(runs)
-    assert out == tmp_path / "a" / "compare.png"
+    assert out == tmp_path / "a" / "compare_rl_vs_rl.png"  # named for its runs: another comparison does not replace it
     image = matplotlib.image.imread(out)
     assert image.shape[:2] == (640, 960) and image[..., :3].std() > 0.05  # 12 x 8 inches at 80 dpi
     with pytest.raises(UserError, match="has no steps"):
         main([runs[0], str(tmp_path)])
 
 
-def test_runs_come_from_folders_and_from_a_benchmarks_results_file(tmp_path):
+def test_runs_come_from_folders_and_from_a_benchmarks_results_file(tmp_path, monkeypatch):
     import matplotlib.image
+
+    monkeypatch.chdir(tmp_path)
 
     from alignment.plot import load_runs
 
@@ -75,8 +78,10 @@ def test_runs_come_from_folders_and_from_a_benchmarks_results_file(tmp_path):
     assert [row["train/reward"] for row in runs[1][1]] == [0.4, 0.4] and runs[1][2] == [{"step": 2, "avg_all_rewards": 0.6}]
     assert runs[2][1] == steps(0.9) and runs[2][2] == []
     assert [(label, evals) for label, _, evals in load_runs([f"{results}:seed1"])] == [("seed1", [{"step": 2, "avg_all_rewards": 0.6}])]
-    out = main([str(results)])  # one file of two runs: drawn side by side, beside the file
-    assert out == results.parent / "compare.png" and matplotlib.image.imread(out)[..., :3].std() > 0.05
+    out = main([str(results), f"{results}:seed1"])  # results files alone: into runs/, not among the tracked results
+    assert out == Path("runs") / "compare_bench_vs_bench_seed1.png" and matplotlib.image.imread(out)[..., :3].std() > 0.05
+    assert main([str(folder), str(results)]) == tmp_path / "runs" / "compare_seed1_vs_bench.png"
+    assert not list(results.parent.glob("*.png"))
     with pytest.raises(UserError, match=r"bench.json has no run 'seed7'; its runs: seed42, seed1"):
         main([f"{results}:seed7"])
     (tmp_path / "summary.json").write_text(json.dumps({"accuracy": 0.5}))
