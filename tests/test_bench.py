@@ -233,6 +233,23 @@ def test_a_trl_w1_run_keeps_a_gsm8k_runs_steps_log_in_the_same_out(monkeypatch, 
     assert start_steps_log(tmp_path / "new", "gsm8k") == tmp_path / "new" / "steps.jsonl" and (tmp_path / "new").is_dir()
 
 
+def test_a_second_gsm8k_call_into_the_same_out_keeps_the_first_calls_runs_in_the_summary(monkeypatch, tmp_path):
+    """The recipe, then `--no-recipe --variant lr4=...` into the same --out: the second summary reported lr4 as the recipe
+    ("alignment train_rl") and dropped the recipe's curves."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    from bench_gsm8k import summary_runs
+
+    for name in ("sft", "rl", "lr4", "clip"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "steps.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "runs" / "failed").mkdir()  # a variant that stopped before its first step: nothing to summarise
+    assert summary_runs(tmp_path, False, ["lr4"]) == ("rl", "trl", ["lr4", "clip"])
+    assert summary_runs(tmp_path, True, []) == ("rl", "trl", ["clip", "lr4"])
+    (tmp_path / "runs" / "rl" / "steps.jsonl").unlink()
+    assert summary_runs(tmp_path, False, ["lr4"]) == ("lr4", "trl", ["clip"])
+    assert summary_runs(tmp_path / "none", False, []) == (None, "trl", [])
+
+
 def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypatch, tmp_path, capsys):
     """--no-recipe without --variant runs TRL alone: the summary has TRL's evaluations, its rollout-step timings
     (two optimizer steps per rollout step, summed) and no run of ours."""
