@@ -144,7 +144,7 @@ def test_an_evaluation_only_run_keeps_another_runs_logs_and_evaluation(pipeline)
     train_rl.main(rl_flags(pipeline, "own_b", *flags, "--checkpoint_path", str(checkpoints["b"])))  # its own folder: evaluated
     train_rl.main(rl_flags(pipeline, "own_eval", *flags, "--checkpoint_path", str(checkpoints["b"])))  # a new one too
     evaluated = snapshot(runs / "own_eval")
-    with pytest.raises(UserError, match=rf"^--log_dir/--run_name .*own_eval holds the evaluation of .*own/b \(eval_only_metrics.json\); "
+    with pytest.raises(UserError, match=r"^--log_dir/--run_name .*own_eval holds the evaluation of .*own/b \(eval_only_metrics.json\); "
                                         r"pass another --run_name to evaluate .*own/a \(nothing was changed\)$"):
         train_rl.main(rl_flags(pipeline, "own_eval", *flags, "--checkpoint_path", str(checkpoints["a"])))
     assert snapshot(runs / "own_eval") == evaluated
