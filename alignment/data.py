@@ -194,14 +194,13 @@ def download_gsm8k(data_dir: str | os.PathLike = DEFAULT_DATA_DIR, force: bool =
         ) from None
     texts = {split: "".join(json.dumps({"question": row["question"], "answer": row["answer"]}, ensure_ascii=False) + "\n" for row in dataset[split])
              for split in SPLITS}
-    differing = [split_path(data_dir, split) for split in SPLITS
-                 if split_path(data_dir, split).is_file() and split_path(data_dir, split).read_bytes() != texts[split].encode("utf-8")]
+    paths = {split: split_path(data_dir, split) for split in SPLITS}
+    differing = [paths[split] for split in SPLITS if paths[split].is_file() and paths[split].read_bytes() != texts[split].encode("utf-8")]
     if differing and not force:
         raise UserError(f"{' and '.join(str(path) for path in differing)} already there with other rows than openai/gsm8k's (edited, or another copy; "
                         f"a training state's --resume checks train.jsonl); pass --force to replace them, or move them away (nothing was changed)")
     Path(data_dir).mkdir(parents=True, exist_ok=True)
-    for split in SPLITS:
-        path = split_path(data_dir, split)
+    for split, path in paths.items():
         if path.is_file() and path not in differing:
             print(f"{path}: already openai/gsm8k's {len(dataset[split])} rows, left as it is")
             continue

@@ -186,7 +186,7 @@ def main():
     if not args.recipe and not variants and not args.trl:
         raise SystemExit("--no-recipe --no-trl leaves no RL run: add at least one --variant NAME=FLAGS, or drop --no-trl")
     if args.summarize_only:
-        earlier = summary_runs(args.out, False, [])[2]
+        earlier = summary_runs(args.out, False, [])[1]
         write_summary(args.out, args.model, args.gpus, rl, args.rl_run, args.trl_dir, [name for name in earlier if name != args.rl_run])
         return
     # before SFT and our runs, not after them; an earlier run's evaluations (eval_trl_<step>) would be summarised as the new one's
@@ -253,16 +253,17 @@ def main():
                 trl_done.result() if trl_done else trl_rl()
             except SystemExit as failure:  # ours is still summarised
                 print(f"TRL: {failure}", flush=True)
-    write_summary(args.out, args.model, args.gpus, rl, *summary_runs(args.out, args.recipe, [name for name, _ in variants]))
+    ours_run, variant_runs = summary_runs(args.out, args.recipe, [name for name, _ in variants])
+    write_summary(args.out, args.model, args.gpus, rl, ours_run, variant_runs=variant_runs)
 
 
-def summary_runs(out: Path, recipe: bool, variants: list[str]) -> tuple[str | None, str, list[str]]:
-    """(our run, TRL's folder, the variants) for the summary: this call's runs and those an earlier call left in
+def summary_runs(out: Path, recipe: bool, variants: list[str]) -> tuple[str | None, list[str]]:
+    """(our run, the variants) for the summary: this call's runs and those an earlier call left in
     `out` (a variant added later with --no-recipe), the recipe's "rl" as ours whenever it ran there, so that no
     call's summary drops the other's runs or reports a variant as the recipe. Our run None: TRL alone."""
     earlier = sorted(path.name for path in (out / "runs").glob("*") if path.name != "sft" and (path / "steps.jsonl").is_file())
     ours = "rl" if recipe or "rl" in earlier else variants[0] if variants else None
-    return ours, "trl", [name for name in dict.fromkeys([*variants, *earlier]) if name != ours]
+    return ours, [name for name in dict.fromkeys([*variants, *earlier]) if name != ours]
 
 
 def trl_command(args, start: Path) -> list[str]:

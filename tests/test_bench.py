@@ -243,11 +243,11 @@ def test_a_second_gsm8k_call_into_the_same_out_keeps_the_first_calls_runs_in_the
         (tmp_path / "runs" / name).mkdir(parents=True)
         (tmp_path / "runs" / name / "steps.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "runs" / "failed").mkdir()  # a variant that stopped before its first step: nothing to summarise
-    assert summary_runs(tmp_path, False, ["lr4"]) == ("rl", "trl", ["lr4", "clip"])
-    assert summary_runs(tmp_path, True, []) == ("rl", "trl", ["clip", "lr4"])
+    assert summary_runs(tmp_path, False, ["lr4"]) == ("rl", ["lr4", "clip"])
+    assert summary_runs(tmp_path, True, []) == ("rl", ["clip", "lr4"])
     (tmp_path / "runs" / "rl" / "steps.jsonl").unlink()
-    assert summary_runs(tmp_path, False, ["lr4"]) == ("lr4", "trl", ["clip"])
-    assert summary_runs(tmp_path / "none", False, []) == (None, "trl", [])
+    assert summary_runs(tmp_path, False, ["lr4"]) == ("lr4", ["clip"])
+    assert summary_runs(tmp_path / "none", False, []) == (None, [])
 
 
 def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypatch, tmp_path, capsys):
