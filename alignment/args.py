@@ -563,6 +563,23 @@ def check_checkpoint_flags(saved: dict, args) -> None:
                 f"or --{name} {flags[name]} (or leave it out) to evaluate that policy")
 
 
+def check_checkpoint_inputs(saved: dict, args, start_checkpoint_sha256: str | None, train_data_sha256: str | None) -> None:
+    """Before train_rl only evaluates an existing RL checkpoint: the start checkpoint and train.jsonl this command
+    names must hold what that run trained from (its run record's fingerprints), or the command would report a
+    policy trained from an earlier SFT model, or on earlier data, as its own result (train_sft run again into the
+    same folder, then the same train_rl command). A fingerprint that is not known (a checkpoint an older version
+    wrote, a start folder or a train.jsonl that is gone) is not compared. Raises UserError."""
+    run = saved.get("run") or {}
+    then = (f"and train_rl only evaluates a checkpoint that exists: pass another --checkpoint_path (and --run_name) to train from them, "
+            f"or evaluate that policy with `python -m alignment.evaluate --model_path {args.checkpoint_path}`")
+    if None not in (run.get("start_checkpoint_sha256"), start_checkpoint_sha256) and run["start_checkpoint_sha256"] != start_checkpoint_sha256:
+        start = args.sft_checkpoint_path or "(default)"
+        raise UserError(f"the policy in {args.checkpoint_path} was trained from other weights than --sft_checkpoint_path {start} holds now "
+                        f"(train_sft ran again?), {then}")
+    if None not in (run.get("train_data_sha256"), train_data_sha256) and run["train_data_sha256"] != train_data_sha256:
+        raise UserError(f"the policy in {args.checkpoint_path} was trained on another {Path(args.data_dir) / 'train.jsonl'} than the one there now, {then}")
+
+
 def _check_data_dir(data_dir) -> None:
     for split in ("train", "test"):
         path = Path(data_dir) / f"{split}.jsonl"

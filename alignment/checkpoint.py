@@ -153,7 +153,9 @@ def claim_log_folder(folder, flag: str, run_id: str | None = None, resuming: boo
     refuses a folder holding another run's logs: its steps.jsonl would be emptied and its
     curves mixed with the new run's in TensorBoard. Only the run that wrote them (the same
     id, a resumed run) continues them; a marker without an id predates ids and is taken as
-    the resumed run's. Otherwise the marker is written, with the run's id.
+    the resumed run's. A training run refuses a folder holding an SFT run's curves too (the
+    same --run_name for both stages): TensorBoard would draw both runs' train/loss as one curve.
+    Otherwise the marker is written, with the run's id.
     """
     folder = Path(folder)
     marker = folder / LOG_MARKER_NAME
@@ -166,6 +168,9 @@ def claim_log_folder(folder, flag: str, run_id: str | None = None, resuming: boo
     if earlier:
         raise UserError(f"{flag} {folder} holds the logs of an earlier run ({earlier}); pass another --run_name, "
                         f"or remove {folder} to replace them (nothing was changed)")
+    if run_id is not None and (sft := sft_run_in(folder)):
+        raise UserError(f"{flag} {folder} holds the curves of the SFT run that wrote {sft}; pass another --run_name for this RL run "
+                        f"(TensorBoard would draw both as one run; nothing was changed)")
     check_writable(folder, flag)
     if owner is None or (run_id is not None and owner != run_id):
         folder.mkdir(parents=True, exist_ok=True)
@@ -182,11 +187,24 @@ def check_sft_log_folder(folder, checkpoint_path) -> None:
     """An SFT rerun hides the earlier run's TensorBoard curves (train_sft.open_log): right for the run whose
     checkpoint it replaces, wrong for another SFT run's (another --checkpoint_path, the same default --run_name
     sft). The marker records the checkpoint its curves belong to; a folder with another's curves is refused.
+    An RL run's folder (the same --run_name for both stages) is refused too: the rerun would hide its curves.
     Call it before claim_log_folder; record_sft_log_folder after."""
-    recorded = _read_json(Path(folder) / LOG_MARKER_NAME).get("sft_checkpoint")
-    if recorded and not same_path(recorded, Path(checkpoint_path).absolute()) and any(Path(folder).glob("events.out.tfevents.*")):
+    folder = Path(folder)
+    recorded = sft_run_in(folder)
+    if recorded and not same_path(recorded, Path(checkpoint_path).absolute()):
         raise UserError(f"--log_dir/--run_name {folder} holds the curves of the SFT run that wrote {recorded}; this run writes "
                         f"{checkpoint_path}: pass another --run_name to keep both (nothing was changed)")
+    rl_logs = run_logs(folder) or ("eval_only_metrics.json" if (folder / "eval_only_metrics.json").is_file() else "") or \
+        ("its TensorBoard curves" if log_folder_run_id(folder) and any(folder.glob("events.out.tfevents.*")) else "")
+    if rl_logs:
+        raise UserError(f"--log_dir/--run_name {folder} holds the logs of an RL run ({rl_logs}), whose curves this SFT run would hide in "
+                        f"TensorBoard; pass another --run_name (nothing was changed)")
+
+
+def sft_run_in(folder) -> str | None:
+    """The SFT checkpoint whose curves a log folder holds (train_sft's marker records it; event files there), or None."""
+    recorded = _read_json(Path(folder) / LOG_MARKER_NAME).get("sft_checkpoint")
+    return recorded if recorded and any(Path(folder).glob("events.out.tfevents.*")) else None
 
 
 def record_sft_log_folder(folder, checkpoint_path) -> None:

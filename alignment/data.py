@@ -15,6 +15,7 @@ worked reasoning with calculator annotations (`<<48/2=24>>`) and ends in
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -199,15 +200,23 @@ def download_gsm8k(data_dir: str | os.PathLike = DEFAULT_DATA_DIR, force: bool =
     if differing and not force:
         raise UserError(f"{' and '.join(str(path) for path in differing)} already there with other rows than openai/gsm8k's (edited, or another copy; "
                         f"a training state's --resume checks train.jsonl); pass --force to replace them, or move them away (nothing was changed)")
-    Path(data_dir).mkdir(parents=True, exist_ok=True)
-    for split, path in paths.items():
-        if path.is_file() and path not in differing:
-            print(f"{path}: already openai/gsm8k's {len(dataset[split])} rows, left as it is")
-            continue
-        temp = path.with_suffix(".jsonl.tmp")
-        temp.write_text(texts[split], encoding="utf-8")
-        os.replace(temp, path)
-        print(f"wrote {len(dataset[split])} rows to {path}")
+    try:
+        Path(data_dir).mkdir(parents=True, exist_ok=True)
+        for split, path in paths.items():
+            if path.is_file() and path not in differing:
+                print(f"{path}: already openai/gsm8k's {len(dataset[split])} rows, left as it is")
+                continue
+            temp = path.with_suffix(".jsonl.tmp")
+            try:
+                temp.write_text(texts[split], encoding="utf-8")
+                os.replace(temp, path)
+            finally:
+                with contextlib.suppress(OSError):
+                    temp.unlink(missing_ok=True)  # a full disk's cut copy is not left beside the file
+            print(f"wrote {len(dataset[split])} rows to {path}")
+    except OSError as error:  # a read-only or full disk, a file where the folder should be
+        raise UserError(f"--data_dir {data_dir}: cannot write {error.filename or data_dir} ({error.strerror or error}); pass a writable --data_dir "
+                        f"(each file there is whole: the earlier one, or openai/gsm8k's)") from None
 
 
 def main(argv=None) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from alignment.args import check_checkpoint, parse_eval_args
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, log_folder_run_id, read_manifest, run_logs,
-                                  same_path, start_over)
+                                  same_path, sft_run_in, start_over)
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -163,28 +163,43 @@ def checkpoint_position(path) -> dict:
     return {key: saved[key] for key in ("step", "total_steps") if isinstance(saved.get(key), int)}
 
 
-def check_eval_only_folder(run_dir, checkpoint_path) -> None:
+def check_eval_only_folder(run_dir, checkpoint_path, setup: dict) -> None:
     """train_rl's evaluate-only rule writes eval_only_* into --log_dir/--run_name: refused when that folder holds
     another training run's logs (--checkpoint_path rl_seed1 with the default --run_name rl would add its evaluation
-    to seed 42's curves) or another checkpoint's eval-only evaluation (it would be overwritten). Raises UserError."""
+    to seed 42's curves), another checkpoint's eval-only evaluation, or this checkpoint's on another `setup`
+    (eval_only_setup: a 20-example check, or a plain rerun after pass@k sampling, would overwrite it). Raises UserError."""
     run_dir = Path(run_dir)
     trained_by = (read_manifest(checkpoint_path) or {}).get("run") or {}
     owner = log_folder_run_id(run_dir)
+    if sft := sft_run_in(run_dir):
+        raise UserError(f"--log_dir/--run_name {run_dir} holds the curves of the SFT run that wrote {sft}; pass another --run_name to evaluate "
+                        f"{checkpoint_path} (nothing was changed)")
     if trained_by.get("run_id") and owner and owner != trained_by["run_id"] and run_logs(run_dir):
         own = (trained_by.get("flags") or {}).get("run_name")
         raise UserError(f"--log_dir/--run_name {run_dir} holds the logs of another run ({run_logs(run_dir)}) than the one that trained {checkpoint_path}; "
                         f"pass {f'--run_name {own} (its own) or ' if own else ''}another --run_name to evaluate it (nothing was changed)")
     previous = run_dir / "eval_only_metrics.json"
     try:
-        evaluated = json.loads(previous.read_text()).get("checkpoint_path")
+        recorded = json.loads(previous.read_text())
+        evaluated = recorded.get("checkpoint_path")
     except (OSError, ValueError, AttributeError):
         return
     if evaluated and not same_path(evaluated, checkpoint_path):
         raise UserError(f"--log_dir/--run_name {run_dir} holds the evaluation of {evaluated} ({previous.name}); pass another --run_name to evaluate "
                         f"{checkpoint_path} (nothing was changed)")
+    changed = [key for key in EVALUATION_SETUP if key in recorded and recorded[key] != setup[key]]
+    if changed:
+        raise UserError(f"--log_dir/--run_name {run_dir} holds an evaluation of {checkpoint_path} on {_setup_text(recorded, changed, 'eval_')} "
+                        f"({previous.name}); this one is on {_setup_text(setup, changed, 'eval_')}: pass another --run_name to keep both, "
+                        f"or remove {previous} to replace it (nothing was changed)")
 
 
-def evaluate_checkpoint(args) -> dict:
+def eval_only_setup(args) -> dict:
+    """What train_rl's evaluate-only run evaluates on (its --eval_* flags), as evaluation_setup records it."""
+    return evaluation_setup(args, len(Gsm8kDataset(args.eval_split, args.data_dir, limit=args.eval_num_examples)), prefix="eval_")
+
+
+def evaluate_checkpoint(args, setup: dict) -> dict:
     """train_rl's rule from the seed: an existing RL checkpoint (--checkpoint_path) is evaluated,
     never retrained; with train_rl's eval flags (pass@k with --eval_samples), written beside its logs."""
     import torch
@@ -206,7 +221,7 @@ def evaluate_checkpoint(args) -> dict:
     engine.close()
     run_dir = Path(args.log_dir) / args.run_name
     write_jsonl(run_dir / "eval_only_samples.jsonl", metrics.pop("samples"))
-    write_json(run_dir / "eval_only_metrics.json", {**metrics, "checkpoint_path": str(args.checkpoint_path),
+    write_json(run_dir / "eval_only_metrics.json", {**metrics, "checkpoint_path": str(args.checkpoint_path), **setup,
                                                     **{f"checkpoint_{key}": value for key, value in saved_at.items()}})
     writer = SummaryWriter(str(run_dir))
     for key in ("avg_all_rewards", "format_reward", "answer_reward", "mean_response_tokens", *(k for k in metrics if k.startswith("pass@"))):
@@ -251,8 +266,13 @@ EVALUATION_SETUP = {"split": "split", "num_examples": "num_examples", "temperatu
                     "max_tokens": "max_tokens", "repetition_penalty": "repetition_penalty", "pass_at_k_samples": "samples"}
 
 
-def evaluation_setup(args, num_examples: int) -> dict:
-    return {key: num_examples if key == "num_examples" else getattr(args, flag) for key, flag in EVALUATION_SETUP.items()}
+def evaluation_setup(args, num_examples: int, prefix: str = "") -> dict:
+    """metrics.json's record of what was evaluated; `prefix` "eval_" reads train_rl's --eval_* flags (its penalty is the rollouts')."""
+    return {key: num_examples if key == "num_examples" else getattr(args, _flag(flag, prefix)) for key, flag in EVALUATION_SETUP.items()}
+
+
+def _flag(flag: str, prefix: str) -> str:
+    return flag if flag == "repetition_penalty" else prefix + flag
 
 
 def check_replaceable(output_dir, args, num_examples: int, default: bool) -> None:
@@ -277,15 +297,16 @@ def check_replaceable(output_dir, args, num_examples: int, default: bool) -> Non
                         f"{_setup_text(setup, changed)}: pass another --output_dir to keep both, or remove it to replace it (nothing was changed)")
 
 
-def _setup_text(values: dict, changed: list[str]) -> str:
+def _setup_text(values: dict, changed: list[str], prefix: str = "") -> str:
     """'<N> <split> examples' and the other settings that differ, as '--flag value'."""
-    shown = [f"--{EVALUATION_SETUP[key]} {values[key]}" for key in changed if key not in ("split", "num_examples")]
+    shown = [f"--{_flag(EVALUATION_SETUP[key], prefix)} {values[key]}" for key in changed if key not in ("split", "num_examples")]
     return ", ".join([f"{values['num_examples']} {values['split']} examples", *shown])
 
 
 def _evaluate(args, dataset, output_dir) -> dict:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    loaded = read_manifest(args.model_path)  # the copy the engine loads (its step, its files); None for a folder from elsewhere
     engine = build_engine(args.backend, args.model_path, device, dtype, args.seed, args)
     import torch
 
@@ -293,6 +314,9 @@ def _evaluate(args, dataset, output_dir) -> dict:
     metrics = evaluate_math(engine, r1_zero_reward_fn, dataset.prompts, dataset.ground_truths, SamplingSettings.from_args(args, ""))
     metrics = add_pass_at_k(metrics, engine, dataset.prompts, dataset.ground_truths, args, "")
     engine.close()
+    if loaded is not None and read_manifest(args.model_path) != loaded:  # a run of --num_epochs N saved its next epoch there meanwhile
+        raise UserError(f"--model_path {args.model_path} was replaced while it was evaluated (a run saved into it), so these results "
+                        f"would be recorded under the new copy's step; evaluate it again (nothing was written)")
     # both files at the end, one after the other: an evaluation stopped in its pass@k sampling (minutes)
     # once left its samples beside the previous evaluation's metrics.json
     write_jsonl(output_dir / "samples.jsonl", metrics.pop("samples"))

@@ -17,6 +17,7 @@ its runs, FILE.json:NAME for one. Headless (Agg).
 """
 
 import argparse
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -178,13 +179,20 @@ def plot_run(run_dir, out=None, start_eval: dict | None = None) -> Path:
 def comparison_path(sources) -> Path:
     """Where a comparison goes without --out: compare_<a>_vs_<b>.png, named for its runs so that another
     comparison does not replace it, beside the first run folder (runs/ when all are results files, which
-    sit among tracked files)."""
+    sit among tracked files). Run folders of one name (bench outputs' runs/rl) are named with their parent
+    folder, and a name cut to length ends in a hash of the whole, as load_runs labels them apart."""
+    split = [_split_source(source) for source in sources]
+    short = [path.name for path, _ in split if not _is_results_file(path)]
     names = []
-    for source in sources:
-        path, name = _split_source(source)
-        names.append(path.stem + (f"_{name}" if name else "") if _is_results_file(path) else path.name)
-    folders = [path for path, _ in map(_split_source, sources) if not _is_results_file(path)]
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", "_vs_".join(names))[:120]
+    for path, name in split:
+        if _is_results_file(path):
+            names.append(path.stem + (f"_{name}" if name else ""))
+        else:
+            names.append(path.name if short.count(path.name) == 1 else f"{path.parent.name}_{path.name}")
+    folders = [path for path, _ in split if not _is_results_file(path)]
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", "_vs_".join(names))
+    if len(stem) > 120:
+        stem = f"{stem[:111]}_{hashlib.sha256(stem.encode()).hexdigest()[:8]}"
     return (folders[0].parent if folders else Path("runs")) / f"compare_{stem}.png"
 
 

@@ -62,7 +62,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from alignment import distributed
-from alignment.args import (build_sft_parser, check_checkpoint, check_checkpoint_flags, check_resume_flags, has_weights, model_context_length, parse_rl_args, read_model_config,
+from alignment.args import (build_sft_parser, check_checkpoint, check_checkpoint_flags, check_checkpoint_inputs, check_resume_flags, has_weights, model_context_length, parse_rl_args, read_model_config,
                             resolve_speed_flags, run_record)
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, folder_fingerprint,
                                   has_training_state, load_training_state, read_manifest, real_output_path, recover_checkpoint, remove_output, save_model_atomically,
@@ -72,7 +72,7 @@ from alignment.devices import format_role_table, one_device_roles, resolve_dtype
 from alignment.distributed import check_fsdp_sizes, rank_slice, reduce_reward_meta, reduce_totals, save_policy
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
 from alignment.errors import RunStopped, UserError, run_cli
-from alignment.evaluate import add_pass_at_k, check_eval_only_folder, evaluate_checkpoint, evaluate_in_subprocess, evaluate_math, summarize_samples, write_json, write_jsonl
+from alignment.evaluate import add_pass_at_k, check_eval_only_folder, eval_only_setup, evaluate_checkpoint, evaluate_in_subprocess, evaluate_math, summarize_samples, write_json, write_jsonl
 from alignment.flops import policy_peak_flops
 from alignment.grpo import LOSSES, advantages_from_scores, normalize_group_rewards, overlong_reward, sequence_kl
 from alignment.interrupts import StopOnSignal, resume_command
@@ -388,6 +388,13 @@ def resume_hint(args) -> str:
             f"({run_dir} keeps this run's logs), or after removing {run_dir}")
 
 
+def input_fingerprints(args, start) -> tuple[str | None, str | None]:
+    """The start checkpoint's and train.jsonl's fingerprints as they are now (None for one that is not there)."""
+    start_sha256 = folder_fingerprint(start) if has_weights(start) else None
+    train_data_sha256 = data_fingerprint(args.data_dir) if (Path(args.data_dir) / "train.jsonl").is_file() else None
+    return start_sha256, train_data_sha256
+
+
 def drop_samples(metrics: dict) -> dict:
     return {key: value for key, value in metrics.items() if key != "samples"}
 
@@ -428,17 +435,20 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
         # the seed's rule: an existing RL checkpoint is evaluated, never retrained (a finished
         # run removes its training state, so only an interrupted one trains past a checkpoint)
         check_checkpoint(args.checkpoint_path, "--checkpoint_path", f"{start_over(run_dir, args.checkpoint_path)} to train again")
-        check_checkpoint_flags(read_manifest(args.checkpoint_path) or {}, args)  # this command's training flags are that run's
+        saved = read_manifest(args.checkpoint_path) or {}
+        check_checkpoint_flags(saved, args)  # this command's training flags are that run's
+        check_checkpoint_inputs(saved, args, *input_fingerprints(args, base_model_checkpoint_path))  # and so are its start and data
         check_saved_model(args.checkpoint_path, f"the checkpoint cannot be evaluated; {start_over(run_dir, args.checkpoint_path)} to train again")
         check_model_folder(args.checkpoint_path, "--checkpoint_path")
         check_writable(run_dir, "--log_dir")
         if not writes:  # under torchrun rank 0 evaluates it alone: every rank would run the whole split and write the same files
             print(f"rank {os.environ['RANK']}: rank 0 evaluates {args.checkpoint_path}")
             return {}
+        setup = eval_only_setup(args)
         with OutputLock([(run_dir, "--log_dir/--run_name")]):
-            check_eval_only_folder(run_dir, args.checkpoint_path)  # another run's logs or another checkpoint's evaluation stay as they are
+            check_eval_only_folder(run_dir, args.checkpoint_path, setup)  # another run's logs, or another evaluation, stay as they are
             claim_log_folder(run_dir, "--log_dir/--run_name")
-            return evaluate_checkpoint(args)
+            return evaluate_checkpoint(args, setup)
     check_checkpoint(base_model_checkpoint_path, "--sft_checkpoint_path", "run `python -m alignment.train_sft` first or pass --sft_checkpoint_path")
     if not Path(base_model_checkpoint_path).is_dir():
         raise UserError(f"--sft_checkpoint_path {base_model_checkpoint_path} must be a local folder (train_rl reads its config and loads it into vLLM)")
@@ -452,9 +462,9 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
     for path, flag, kind in outputs:
         check_output_path(path, flag, kind)
     check_writable(run_dir, "--log_dir")
-    train_data_sha256 = data_fingerprint(args.data_dir)
-    # what a resumed run loads again from the start checkpoint must be what the run started from (a run that saves no state cannot resume)
-    start_sha256 = folder_fingerprint(base_model_checkpoint_path) if args.save_state_every or args.resume else None
+    # recorded with the run: a resumed run must load the same start and data again, and a rerun that only
+    # evaluates the checkpoint must name what it was trained from
+    start_sha256, train_data_sha256 = input_fingerprints(args, base_model_checkpoint_path)
     run_id = uuid.uuid4().hex
     if args.resume and not has_training_state(args.state_dir):
         print(f"--resume: no training state in {args.state_dir}; starting from the SFT checkpoint")
@@ -476,6 +486,9 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
         except SamplerProcessError as error:
             raise RunStopped(f"the sampler process stopped ({str(error).splitlines()[0]}); {resume_hint(args)}",
                              stop.exit_code if stop.received else 1) from None
+        except OSError as error:  # a full disk or a lost mount under the logs, the checkpoint or the state: what was saved stays
+            where = error.filename or "one of the run's files (its logs, checkpoint or training state)"
+            raise RunStopped(f"the run stopped on a file error: {error.strerror or error} ({where}); {resume_hint(args)}", 1) from None
 
 
 if __name__ == "__main__":

@@ -321,10 +321,13 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "r
     for stage, evaluated in (("eval_base", model), ("eval_sft", out / "sft")):
         if (out / stage / "metrics.json").is_file():  # --no-base_eval skips the first
             metrics = json.loads((out / stage / "metrics.json").read_text())
-            if "model_path" in metrics and not same_path(metrics["model_path"], evaluated):
+            if "model_path" in metrics and not same_path(metrics["model_path"], evaluated) and not moved_with(out, stage, metrics["model_path"]):
                 print(f"{out / stage} evaluated {metrics['model_path']}, not {evaluated}: left out of the summary", flush=True)
                 continue
             summary[stage] = {key: metrics[key] for key in ("avg_all_rewards", "format_reward", "mean_response_tokens", "num_examples")}
+    if "eval_sft" not in summary:  # what every curve starts from
+        raise SystemExit(f"--out {out} holds no evaluation of its SFT checkpoint (eval_sft/metrics.json): not a bench_gsm8k folder, or one "
+                         f"whose SFT was not evaluated; pass the --out a run wrote (nothing was changed)")
     base = summary.get("eval_base", {}).get("avg_all_rewards", float("-inf"))
     chosen = json.loads((out / "rl_start.json").read_text())["rl_start"] if (out / "rl_start.json").is_file() else None  # what the run started from
     summary["rl_start"] = chosen or ("sft" if summary["eval_sft"]["avg_all_rewards"] >= base else "base")
@@ -339,6 +342,12 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "r
     draw(summary, out / "gsm8k_curves.png")
     print_table(summary)
     return summary
+
+
+def moved_with(out: Path, stage: str, recorded) -> bool:
+    """Whether eval_sft's recorded model is this --out's own sft, from before the folder was moved or renamed
+    (metrics.json records the absolute path, which no longer exists)."""
+    return stage == "eval_sft" and Path(recorded).name == "sft" and not Path(recorded).exists()
 
 
 def read_ours(run_dir: Path) -> dict:

@@ -277,6 +277,29 @@ def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypa
     assert "TRL  step    1: accuracy 0.625" in capsys.readouterr().out
 
 
+def test_gsm8k_summary_of_a_moved_out_keeps_its_sft_and_a_wrong_out_is_one_line(tmp_path):
+    """`mv runs/gsm8k runs/gsm8k_run1`, then --summarize_only on it: eval_sft's recorded path no longer matched, so
+    summary.json was rewritten without SFT's numbers and the script died in a KeyError; a mistyped --out alike."""
+    out = tmp_path / "gsm8k"
+    metrics = {"avg_all_rewards": 0.5, "format_reward": 0.9, "mean_response_tokens": 100, "num_examples": 8, "model_path": str(out / "sft")}
+    (out / "eval_sft").mkdir(parents=True)
+    (out / "eval_sft" / "metrics.json").write_text(json.dumps(metrics))
+    (out / "trl").mkdir()
+    (out / "trl" / "steps.jsonl").write_text(json.dumps({"step": 1, "rollout_step": 1, "step_seconds": 2.0, "elapsed_seconds": 2.0, "timers": {}}) + "\n")
+    moved = tmp_path / "gsm8k_run1"
+    out.rename(moved)
+    result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", "models/x", "--out", str(moved), "--summarize_only", "--no-recipe"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((moved / "summary.json").read_text())["eval_sft"]["avg_all_rewards"] == 0.5
+    result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", "models/x", "--out", str(tmp_path / "typo"), "--summarize_only"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().endswith("holds no evaluation of its SFT checkpoint (eval_sft/metrics.json): not a bench_gsm8k folder, or one whose "
+                                          "SFT was not evaluated; pass the --out a run wrote (nothing was changed)"), result.stderr[-2000:]
+    assert not (tmp_path / "typo" / "summary.json").exists()
+
+
 def test_grader_bench_quick_run_measures_every_section(tmp_path):
     run_bench("bench_grader.py", tmp_path / "grader.json", "--quick")
     result = json.loads((tmp_path / "grader.json").read_text())

@@ -1,8 +1,11 @@
 """GSM8K loading, the prompt contract and clear errors for bad files."""
 
+import errno
 import hashlib
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -168,3 +171,26 @@ def test_download_keeps_files_the_user_edited_unless_forced(tmp_path, monkeypatc
     data_main(["download", "--data_dir", str(tmp_path), "--force"])
     assert {split: (tmp_path / f"{split}.jsonl").read_bytes() for split in ("train", "test")} == original
     assert "test.jsonl: already openai/gsm8k's 1 rows, left as it is" in capsys.readouterr().out
+
+
+def test_download_to_an_unwritable_or_full_data_dir_is_one_line_and_leaves_no_cut_file(tmp_path, monkeypatch):
+    """`download --data_dir` under a file, or on a full disk: a traceback, and the full disk left a cut train.jsonl.tmp."""
+    import datasets
+
+    rows = {"train": [{"question": "1 + 1?", "answer": "2 #### 2"}], "test": [{"question": "4 - 1?", "answer": "3 #### 3"}]}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config: rows)
+    (tmp_path / "afile").write_text("not a folder")
+    with pytest.raises(UserError, match=r"^--data_dir .*afile/gsm8k: cannot write .*afile/gsm8k \(Not a directory\); pass a writable --data_dir"):
+        data_main(["download", "--data_dir", str(tmp_path / "afile" / "gsm8k")])
+    real_write = Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):
+        real_write(self, text[:10], *args, **kwargs)  # a part lands, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(UserError, match=r"^--data_dir .*: cannot write .*train.jsonl.tmp \(No space left on device\); pass a writable --data_dir "
+                                        r"\(each file there is whole: the earlier one, or openai/gsm8k's\)$"):
+        data_main(["download", "--data_dir", str(tmp_path / "full")])
+    assert sorted(path.name for path in (tmp_path / "full").iterdir()) == []
+

@@ -431,6 +431,29 @@ def test_an_epochs_checkpoint_of_a_stopped_run_is_not_taken_for_its_result(tmp_p
         train_rl.main(argv)
 
 
+def test_a_full_disk_under_the_logs_stops_the_run_with_one_line_and_the_resume_command(pipeline, monkeypatch, capsys):
+    """The disk holding --log_dir filled during step 3: the run ended in two TensorBoard tracebacks and no resume
+    command, though its step-2 training state was intact and --resume worked once space was freed."""
+    from alignment import run_log
+
+    real_append = run_log.RunLog._append
+
+    def append_until_full(self, name, row):
+        if row.get("step") == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.run_dir / name))
+        real_append(self, name, row)
+
+    monkeypatch.setattr(run_log.RunLog, "_append", append_until_full)
+    argv = flags(pipeline, "disk_full", "--save_state_every", "2", "--max_steps", "4")
+    code, err = train_rl_cli(capsys, argv)
+    assert code == 1 and "Traceback" not in err
+    assert re.search(r"\nthe run stopped on a file error: No space left on device \(.*runs/disk_full/steps.jsonl\); the training state of step 2 is in "
+                     r".*disk_full/rl.state; continue with:\n  python -m alignment.train_rl.* --resume\n$", err), err
+    monkeypatch.setattr(run_log.RunLog, "_append", real_append)  # space freed: the command it printed continues the run
+    train_rl.main([*argv, "--resume"])
+    assert [row["step"] for row in steps_log(pipeline, "disk_full")] == [1, 2, 3, 4]
+
+
 def test_a_signal_in_the_last_step_keeps_the_trained_policy(pipeline, monkeypatch, capsys):
     """SIGTERM during the last of 3 steps (not an epoch's end, a state every 2): the stop used to come before the
     final save, so the whole run was thrown away and the message said a rerun starts over."""

@@ -1,12 +1,13 @@
 """`python -m alignment.plot`: a run folder's steps.jsonl and evals.jsonl become one PNG."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from alignment.errors import UserError
-from alignment.plot import main, read_jsonl
+from alignment.plot import comparison_path, main, read_jsonl
 
 
 def test_plot_draws_a_run_and_skips_a_torn_line(tmp_path):
@@ -49,7 +50,15 @@ def test_plot_of_several_runs_draws_them_side_by_side_against_training_minutes(t
         (run / "evals.jsonl").write_text("".join(json.dumps({"step": s, "avg_all_rewards": reward + 0.1 * s}) + "\n" for s in (0, 3)))
         runs.append(str(run))
     out = main(runs)
-    assert out == tmp_path / "a" / "compare_rl_vs_rl.png"  # named for its runs: another comparison does not replace it
+    assert out == tmp_path / "a" / "compare_a_rl_vs_b_rl.png"  # named for its runs: another comparison does not replace it
+    # the same run name in other folders (bench outputs' runs/rl): another file, where a/rl vs c/rl replaced a/rl vs b/rl
+    (tmp_path / "c").mkdir()
+    shutil.copytree(tmp_path / "b" / "rl", tmp_path / "c" / "rl")
+    assert comparison_path([runs[0], str(tmp_path / "c" / "rl")]) == tmp_path / "a" / "compare_a_rl_vs_c_rl.png"
+    # long run names that differ only past the cut: apart too
+    long = [str(tmp_path / "a" / ("sweep_" * 25 + tail)) for tail in ("lr_1e-6", "lr_2e-6")]
+    paths = [comparison_path([runs[0], other]) for other in long]
+    assert paths[0] != paths[1] and all(len(path.name) == len("compare_.png") + 120 for path in paths)
     image = matplotlib.image.imread(out)
     assert image.shape[:2] == (640, 960) and image[..., :3].std() > 0.05  # 12 x 8 inches at 80 dpi
     with pytest.raises(UserError, match="has no steps"):

@@ -77,6 +77,71 @@ def test_an_sft_rerun_replaces_the_earlier_runs_curves_in_tensorboard(task, tmp_
     assert logged_steps() == ([1, 2, 3, 4], [4])
 
 
+def test_sft_and_rl_under_one_run_name_keep_each_others_curves(task, tmp_path):
+    """One --run_name for both stages: an RL run after SFT drew its train/loss into SFT's TensorBoard curve, and
+    an SFT run after an RL run hid every RL curve (its rerun rule, purge_step 0)."""
+    from alignment import train_rl
+    from conftest import train_rl_flags
+
+    def sft(name):
+        train_sft.main(["--model", str(task.sft), "--checkpoint_path", str(tmp_path / f"sft_{name}"), "--data_dir", str(task.data),
+                        "--log_dir", str(tmp_path / "runs"), "--run_name", name, "--batch_size", "16", "--microbatch_size", "16",
+                        "--max_steps", "1", "--eval_num_examples", "2", "--eval_max_tokens", "4"])
+
+    def rl(name, checkpoint):
+        return train_rl.main(train_rl_flags(task, name, "--log_dir", str(tmp_path / "runs"), "--max_steps", "1", checkpoint_path=tmp_path / checkpoint))
+
+    def contents(name):
+        return sorted((path.name, path.stat().st_size) for path in (tmp_path / "runs" / name).iterdir())
+
+    sft("exp1")
+    sft_logs = contents("exp1")
+    with pytest.raises(UserError, match=r"^--log_dir/--run_name .*runs/exp1 holds the curves of the SFT run that wrote .*sft_exp1; pass another "
+                                        r"--run_name for this RL run \(TensorBoard would draw both as one run; nothing was changed\)$"):
+        rl("exp1", "rl_exp1")
+    assert contents("exp1") == sft_logs and not (tmp_path / "rl_exp1").exists()
+    rl("exp2", "rl_exp2")
+    before = contents("exp2")
+    with pytest.raises(UserError, match=r"^--log_dir/--run_name .*runs/exp2 holds the logs of an RL run \(steps 1-1 in steps.jsonl\), whose curves "
+                                        r"this SFT run would hide in TensorBoard; pass another --run_name \(nothing was changed\)$"):
+        sft("exp2")
+    assert contents("exp2") == before and not (tmp_path / "sft_exp2").exists()
+    # the RL checkpoint evaluated (the seed's rule) into the SFT run's folder: refused as well
+    with pytest.raises(UserError, match=r"^--log_dir/--run_name .*runs/exp1 holds the curves of the SFT run that wrote .*sft_exp1; pass another "
+                                        r"--run_name to evaluate .*rl_exp2 \(nothing was changed\)$"):
+        rl("exp1", "rl_exp2")
+    assert contents("exp1") == sft_logs
+
+
+def test_an_evaluation_of_a_checkpoint_replaced_meanwhile_writes_nothing(task, tmp_path, monkeypatch):
+    """A run of --num_epochs 2 saved its final policy into the folder being evaluated (epoch 0's): the step was read
+    after generation, so metrics.json said "step 2 of 2", the run's result, for the epoch-0 policy."""
+    from transformers import AutoModelForCausalLM
+
+    from alignment.checkpoint import save_model_atomically
+    from alignment.rollout import load_tokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(task.sft), load_tokenizer(task.sft)
+    checkpoint = tmp_path / "rl"
+    save_model_atomically(model, tokenizer, checkpoint, "rl_checkpoint", record={"step": 1, "total_steps": 2})
+    real_evaluate_math = evaluate.evaluate_math
+
+    def next_epoch_saved_meanwhile(*args, **kwargs):
+        metrics = real_evaluate_math(*args, **kwargs)
+        save_model_atomically(model, tokenizer, checkpoint, "rl_checkpoint", record={"step": 2, "total_steps": 2})
+        return metrics
+
+    monkeypatch.setattr(evaluate, "evaluate_math", next_epoch_saved_meanwhile)
+    argv = ["--model_path", str(checkpoint), "--backend", "hf", "--data_dir", str(task.data), "--num_examples", "2", "--max_tokens", "4",
+            "--output_dir", str(tmp_path / "eval")]
+    with pytest.raises(UserError, match=r"^--model_path .*/rl was replaced while it was evaluated \(a run saved into it\), so these results would be "
+                                        r"recorded under the new copy's step; evaluate it again \(nothing was written\)$"):
+        evaluate.main(argv)
+    assert not (tmp_path / "eval" / "metrics.json").exists() and not (tmp_path / "eval" / "samples.jsonl").exists()
+    monkeypatch.setattr(evaluate, "evaluate_math", real_evaluate_math)
+    assert evaluate.main(argv)["checkpoint_step"] == 2  # evaluated again: the copy it graded
+
+
 def test_sft_keeps_its_trained_model_whatever_stops_the_final_evaluation(task, tmp_path, monkeypatch):
     """The final evaluation used to run before the save (and read test.jsonl only then): a bad test row, an
     out-of-memory error in generate or a stop in the last step threw the whole SFT run away."""

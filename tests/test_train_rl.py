@@ -124,6 +124,72 @@ def test_a_checkpoint_is_not_evaluated_for_a_run_with_other_training_flags(pipel
                      capsys.readouterr().out)
 
 
+def test_a_checkpoint_is_not_evaluated_as_the_result_of_another_start_or_other_data(pipeline, capsys):
+    """train_sft run again into the same folder (or train.jsonl edited), then the same train_rl command: it found
+    the earlier run's weights and reported the policy trained from the old SFT model (old data) as its result."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    root = pipeline.root / "new_start"
+    shutil.copytree(pipeline.sft, root / "sft")
+    shutil.copytree(pipeline.data, root / "data")
+    flags = ("--rollout_backend", "hf", "--max_steps", "1", "--checkpoint_path", str(root / "rl"), "--sft_checkpoint_path", str(root / "sft"),
+             "--data_dir", str(root / "data"))
+    train_rl.main(rl_flags(pipeline, "new_start", *flags))
+    before = weights_digest(root / "rl")
+    # the same start and data: evaluated, as the seed's rule says
+    capsys.readouterr()
+    train_rl.main(rl_flags(pipeline, "new_start", *flags))
+    assert "already holds weights: evaluating it (no training)" in capsys.readouterr().out
+    # another SFT model in the start folder
+    model = AutoModelForCausalLM.from_pretrained(root / "sft")
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    model.save_pretrained(root / "sft")
+    evaluated = (pipeline.root / "runs" / "new_start" / "eval_only_metrics.json").read_bytes()
+    with pytest.raises(UserError, match=r"^the policy in .*new_start/rl was trained from other weights than --sft_checkpoint_path .*new_start/sft holds "
+                                        r"now \(train_sft ran again\?\), and train_rl only evaluates a checkpoint that exists: pass another "
+                                        r"--checkpoint_path \(and --run_name\) to train from them, or evaluate that policy with "
+                                        r"`python -m alignment.evaluate --model_path .*new_start/rl`$"):
+        train_rl.main(rl_flags(pipeline, "new_start", *flags))
+    shutil.rmtree(root / "sft")
+    shutil.copytree(pipeline.sft, root / "sft")  # the start it trained from, back
+    # other training data
+    rows = (root / "data" / "train.jsonl").read_text().splitlines(keepends=True)
+    (root / "data" / "train.jsonl").write_text("".join(rows[:-1]))
+    with pytest.raises(UserError, match=r"^the policy in .*new_start/rl was trained on another .*new_start/data/train.jsonl than the one there now"):
+        train_rl.main(rl_flags(pipeline, "new_start", *flags))
+    assert weights_digest(root / "rl") == before
+    assert (pipeline.root / "runs" / "new_start" / "eval_only_metrics.json").read_bytes() == evaluated  # nothing written
+
+
+def test_an_evaluation_only_rerun_on_another_setup_keeps_the_first(pipeline):
+    """A finished run evaluated again with pass@k (hours on a whole split), then with fewer examples or without
+    --eval_samples: each later evaluate-only command replaced eval_only_metrics.json, which recorded no setup."""
+    name = "eval_setups"
+    flags = ("--rollout_backend", "hf", "--max_steps", "1")
+    train_rl.main(rl_flags(pipeline, name, *flags))
+    run_dir = pipeline.root / "runs" / name
+    pass_at_k = ("--eval_samples", "2", "--eval_pass_k", "2")
+    train_rl.main(rl_flags(pipeline, name, *flags, *pass_at_k))
+    first = (run_dir / "eval_only_metrics.json").read_bytes()
+    recorded = json.loads(first)
+    assert (recorded["num_examples"], recorded["pass_at_k_samples"], recorded["split"], recorded["max_tokens"], recorded["repetition_penalty"]) == \
+        (8, 2, "test", 24, 1.1)
+    with pytest.raises(UserError, match=r"^--log_dir/--run_name .*eval_setups holds an evaluation of .*eval_setups/rl on 8 test examples "
+                                        r"\(eval_only_metrics.json\); this one is on 4 test examples: pass another --run_name to keep both, or remove "
+                                        r".*eval_setups/eval_only_metrics.json to replace it \(nothing was changed\)$"):
+        train_rl.main(rl_flags(pipeline, name, *flags, *pass_at_k, "--eval_num_examples", "4"))
+    with pytest.raises(UserError, match=r"on 8 test examples, --eval_samples 2 \(eval_only_metrics.json\); this one is on 8 test examples, --eval_samples 0:"):
+        train_rl.main(rl_flags(pipeline, name, *flags))
+    with pytest.raises(UserError, match=r"on 8 test examples, --eval_max_tokens 24 .*; this one is on 8 test examples, --eval_max_tokens 16:"):
+        train_rl.main(rl_flags(pipeline, name, *flags, *pass_at_k, "--eval_max_tokens", "16"))
+    assert (run_dir / "eval_only_metrics.json").read_bytes() == first
+    train_rl.main(rl_flags(pipeline, name, *flags, *pass_at_k))  # the same evaluation again replaces it
+    assert json.loads((run_dir / "eval_only_metrics.json").read_text())["pass_at_k_samples"] == 2
+
+
 def test_an_evaluation_only_run_keeps_another_runs_logs_and_evaluation(pipeline):
     """The README's second seed evaluated again without its --run_name (`--checkpoint_path checkpoints/rl_seed1`,
     default --run_name rl): its eval_only_* went into seed 42's log folder, beside seed 42's curves."""
