@@ -67,7 +67,7 @@ from alignment.args import (build_sft_parser, check_checkpoint, check_checkpoint
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, folder_fingerprint,
                                   has_training_state, load_training_state, read_manifest, real_output_path, recover_checkpoint, remove_output, save_model_atomically,
                                   save_training_state, start_over, state_step)
-from alignment.data import Gsm8kDataset, data_fingerprint
+from alignment.data import Gsm8kDataset, data_fingerprint, split_path
 from alignment.devices import format_role_table, one_device_roles, resolve_dtype, resolve_role_devices
 from alignment.distributed import check_fsdp_sizes, rank_slice, reduce_reward_meta, reduce_totals, save_policy
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
@@ -391,7 +391,7 @@ def resume_hint(args) -> str:
 def input_fingerprints(args, start) -> tuple[str | None, str | None]:
     """The start checkpoint's and train.jsonl's fingerprints as they are now (None for one that is not there)."""
     start_sha256 = folder_fingerprint(start) if has_weights(start) else None
-    train_data_sha256 = data_fingerprint(args.data_dir) if (Path(args.data_dir) / "train.jsonl").is_file() else None
+    train_data_sha256 = data_fingerprint(args.data_dir) if split_path(args.data_dir, "train").is_file() else None
     return start_sha256, train_data_sha256
 
 
