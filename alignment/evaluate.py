@@ -10,6 +10,12 @@ are deterministic and comparable across checkpoints. `--samples N` adds pass@K
 (`--pass_k`) from N samples per problem at `--samples_temperature` (Chen et al.
 2021's unbiased estimator, `pass_at_k`); the greedy accuracy stays the headline.
 `train_sft` and `train_rl` call `evaluate_math` with their own engines.
+
+    python -m alignment.evaluate --model_path out/checkpoint-40 out/checkpoint-80 --output_dir eval/40 eval/80
+
+evaluates a run's checkpoints with one engine, loading each one's weights into it in
+place (greedy: the numbers of separate calls, without an engine start per checkpoint;
+pass@k samples continue one random stream instead of restarting it per checkpoint).
 """
 
 import json
@@ -28,7 +34,7 @@ from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
 from alignment.errors import UserError, run_cli
-from alignment.rollout import SamplingSettings, build_engine, check_model_folder
+from alignment.rollout import TOKENIZER_FILES, SamplingSettings, build_engine, check_model_folder, checkpoint_tensors
 
 
 def evaluate_math(llm, reward_fn, prompts: list[str], ground_truths: list[str], sampling_params: SamplingSettings, samples_path=None) -> dict:
@@ -245,19 +251,35 @@ def format_metrics_table(metrics: dict, title: str) -> str:
     return "\n".join([title] + [f"  {name:<{width}}  {value}" for name, value in rows])
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> dict | list[dict]:
+    """The CLI. One --model_path: its metrics. Several: their metrics in order, evaluated one after another by one
+    engine where they share an architecture and tokenizer (each checkpoint's weights loaded into it in place, as
+    train_rl's syncs do, instead of a new engine's start of about a minute on a GPU); each is written as soon as it
+    is graded, so a failure later keeps the checkpoints evaluated before it."""
     args = parse_eval_args(argv)
-    check_checkpoint(args.model_path, "--model_path", "pass a folder written by train_sft/train_rl or a hub id")
-    output_dir = Path(args.output_dir or Path("runs") / "eval" / Path(args.model_path).name)
-    if Path(args.model_path).exists():  # metrics written into a checkpoint would make it a folder the tool no longer owns
-        check_distinct_outputs([(args.model_path, "--model_path"), (output_dir, "--output_dir")])
-    check_saved_model(args.model_path, "it cannot be evaluated; restore it or pass another --model_path")
-    check_model_folder(args.model_path, "--model_path")
+    models = args.model_path
+    if args.output_dir is not None and len(args.output_dir) != len(models):
+        raise UserError(f"--output_dir: {len(args.output_dir)} folder(s) for {len(models)} --model_path; give one folder per checkpoint, "
+                        "in the same order, or none for runs/eval/<model folder name>")
+    output_dirs = [Path(folder) for folder in args.output_dir] if args.output_dir else [Path("runs") / "eval" / Path(model).name for model in models]
+    for model, output_dir in zip(models, output_dirs, strict=True):
+        check_checkpoint(model, "--model_path", "pass a folder written by train_sft/train_rl or a hub id")
+        if Path(model).exists():  # metrics written into a checkpoint would make it a folder the tool no longer owns
+            check_distinct_outputs([(model, "--model_path"), (output_dir, "--output_dir")])
+        check_saved_model(model, "it cannot be evaluated; restore it or pass another --model_path")
+        check_model_folder(model, "--model_path")
+    for index, output_dir in enumerate(output_dirs):  # two checkpoints named alike (a/rl, b/rl) share the default folder
+        for other in range(index):
+            if same_path(output_dir, output_dirs[other]):
+                raise UserError(f"--output_dir {output_dir} would hold the evaluations of both {models[other]} and {models[index]}; "
+                                "pass one --output_dir per --model_path (nothing was changed)")
     dataset = Gsm8kDataset(args.split, args.data_dir, limit=args.num_examples)
-    with OutputLock([(output_dir, "--output_dir")]):  # two evaluations never write one folder at once
-        claim_log_folder(output_dir, "--output_dir")
-        check_replaceable(output_dir, args, len(dataset.prompts), default=args.output_dir is None)
-        return _evaluate(args, dataset, output_dir)
+    with OutputLock([(output_dir, "--output_dir") for output_dir in output_dirs]):  # two evaluations never write one folder at once
+        for model, output_dir in zip(models, output_dirs, strict=True):
+            claim_log_folder(output_dir, "--output_dir")
+            check_replaceable(output_dir, model, args, len(dataset.prompts), default=args.output_dir is None)
+        results = _evaluate_all(args, dataset, list(zip(models, output_dirs, strict=True)))
+    return results[0] if len(results) == 1 else results
 
 
 # what an evaluation is of, as metrics.json records it: another value makes it another evaluation
@@ -275,7 +297,7 @@ def _flag(flag: str, prefix: str) -> str:
     return flag if flag == "repetition_penalty" else prefix + flag
 
 
-def check_replaceable(output_dir, args, num_examples: int, default: bool) -> None:
+def check_replaceable(output_dir, model_path, args, num_examples: int, default: bool) -> None:
     """An --output_dir whose metrics.json another evaluation wrote is refused: evaluating there would overwrite it.
     Another model's (two checkpoints named alike, a/rl and b/rl, share the default folder), or the same model's
     on another setup (a 20-example check would replace the whole split's; another --repetition_penalty, a
@@ -287,13 +309,13 @@ def check_replaceable(output_dir, args, num_examples: int, default: bool) -> Non
     if not isinstance(previous, dict) or previous.get("model_path") is None:
         return
     where = f"the default --output_dir {output_dir} (runs/eval/<model folder name>)" if default else f"--output_dir {output_dir}"
-    if not same_path(previous["model_path"], args.model_path):
+    if not same_path(previous["model_path"], model_path):
         raise UserError(f"{where} holds the evaluation of {previous['model_path']} (metrics.json); pass another --output_dir to keep both, "
-                        f"or remove it to evaluate {args.model_path} there (nothing was changed)")
+                        f"or remove it to evaluate {model_path} there (nothing was changed)")
     setup = evaluation_setup(args, num_examples)
     changed = [key for key in EVALUATION_SETUP if key in previous and previous[key] != setup[key]]
     if changed:
-        raise UserError(f"{where} holds an evaluation of {args.model_path} on {_setup_text(previous, changed)} (metrics.json); this one is on "
+        raise UserError(f"{where} holds an evaluation of {model_path} on {_setup_text(previous, changed)} (metrics.json); this one is on "
                         f"{_setup_text(setup, changed)}: pass another --output_dir to keep both, or remove it to replace it (nothing was changed)")
 
 
@@ -303,27 +325,69 @@ def _setup_text(values: dict, changed: list[str], prefix: str = "") -> str:
     return ", ".join([f"{values['num_examples']} {values['split']} examples", *shown])
 
 
-def _evaluate(args, dataset, output_dir) -> dict:
+def _evaluate_all(args, dataset, models_and_outputs) -> list[dict]:
+    """Each (checkpoint, output folder) in turn; the engine of one serves the next when `same_engine_model` says so."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    loaded = read_manifest(args.model_path)  # the copy the engine loads (its step, its files); None for a folder from elsewhere
-    engine = build_engine(args.backend, args.model_path, device, dtype, args.seed, args)
+    results, engine, engine_model = [], None, None
+    try:
+        for model_path, output_dir in models_and_outputs:
+            loaded = read_manifest(model_path)  # the copy the engine loads (its step, its files); None for a folder from elsewhere
+            if engine is not None and same_engine_model(engine_model, model_path):
+                engine.load_weights(checkpoint_tensors(model_path))
+                print(f"loaded {model_path} into the engine of {engine_model}")
+            else:
+                if engine is not None:
+                    engine.close()
+                engine, engine_model = build_engine(args.backend, model_path, device, dtype, args.seed, args), model_path
+            results.append(_evaluate(args, dataset, model_path, output_dir, engine, loaded))
+    finally:
+        if engine is not None:
+            engine.close()
+    return results
+
+
+def same_engine_model(loaded, other) -> bool:
+    """Whether checkpoint `other` can be evaluated by the engine built for `loaded` with its weights loaded in
+    place: both local folders with safetensors weights, one architecture (config.json alike but for the fields
+    that name the copy, its stored dtype, which the engine's --dtype overrides, and the cache flag), and one
+    tokenizer (its files alike but for the padding and truncation sides, which trainers set and generation
+    here never reads: TRL's checkpoints pad on the left)."""
+    loaded, other = Path(loaded), Path(other)
+    if not (loaded.is_dir() and other.is_dir()) or not any(other.glob("*.safetensors")):
+        return False
+
+    def without(path, ignored):
+        if not path.is_file():
+            return None
+        value = json.loads(path.read_text())
+        return {key: item for key, item in value.items() if key not in ignored} if isinstance(value, dict) else value
+
+    def fingerprint(folder):
+        return (without(folder / "config.json", {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}),
+                {name: (folder / name).read_bytes() for name in (*TOKENIZER_FILES, "merges.txt") if (folder / name).is_file()},
+                [without(folder / name, {"padding_side", "truncation_side"}) for name in ("tokenizer_config.json", "special_tokens_map.json")])
+
+    return fingerprint(loaded) == fingerprint(other)
+
+
+def _evaluate(args, dataset, model_path, output_dir, engine, loaded) -> dict:
+    """Grade `engine` (holding `model_path`'s weights, whose manifest was `loaded` before they were read) and write the results."""
     import torch
 
     torch.manual_seed(args.seed)
     metrics = evaluate_math(engine, r1_zero_reward_fn, dataset.prompts, dataset.ground_truths, SamplingSettings.from_args(args, ""))
     metrics = add_pass_at_k(metrics, engine, dataset.prompts, dataset.ground_truths, args, "")
-    engine.close()
-    if loaded is not None and read_manifest(args.model_path) != loaded:  # a run of --num_epochs N saved its next epoch there meanwhile
-        raise UserError(f"--model_path {args.model_path} was replaced while it was evaluated (a run saved into it), so these results "
+    if loaded is not None and read_manifest(model_path) != loaded:  # a run of --num_epochs N saved its next epoch there meanwhile
+        raise UserError(f"--model_path {model_path} was replaced while it was evaluated (a run saved into it), so these results "
                         f"would be recorded under the new copy's step; evaluate it again (nothing was written)")
     # both files at the end, one after the other: an evaluation stopped in its pass@k sampling (minutes)
     # once left its samples beside the previous evaluation's metrics.json
     write_jsonl(output_dir / "samples.jsonl", metrics.pop("samples"))
-    metrics.update(model_path=str(args.model_path), backend=args.backend, **evaluation_setup(args, metrics["num_examples"]),
-                   **{f"checkpoint_{key}": value for key, value in checkpoint_position(args.model_path).items()})
+    metrics.update(model_path=str(model_path), backend=args.backend, **evaluation_setup(args, metrics["num_examples"]),
+                   **{f"checkpoint_{key}": value for key, value in checkpoint_position(model_path).items()})
     write_json(output_dir / "metrics.json", metrics)
-    print(format_metrics_table(metrics, f"{args.model_path} on {args.split} ({args.backend})"))
+    print(format_metrics_table(metrics, f"{model_path} on {args.split} ({args.backend})"))
     print(f"wrote {output_dir / 'metrics.json'} and {output_dir / 'samples.jsonl'}")
     return metrics
 

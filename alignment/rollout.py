@@ -11,6 +11,7 @@ not installed.
 """
 
 import gc
+import json
 import os
 import shutil
 import tempfile
@@ -474,13 +475,22 @@ def _private_rpc_folder(base: str | None) -> str | None:
 
 
 def checkpoint_tensors(folder):
-    """(name, tensor) pairs of a Hugging Face checkpoint folder's safetensors files, on the CPU."""
+    """(name, tensor) pairs of a Hugging Face checkpoint folder's safetensors files, on the CPU.
+
+    A tied output layer, which save_pretrained leaves out, comes too, as `lm_head.weight` (the
+    embeddings), the way a policy's state_dict lists it: vLLM's reload on a CPU processes only
+    the layers it is handed, and without it kept the previous weights' output layer."""
     from pathlib import Path
 
     from safetensors.torch import load_file
 
+    tensors = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
-        yield from load_file(str(file)).items()
+        tensors.update(load_file(str(file)))
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    yield from tensors.items()
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them: a fast, SentencePiece or BPE vocabulary

@@ -20,7 +20,7 @@ commands):
    --workload gsm8k: same prompts, reward function, group size, prompts per step,
    response cap, temperature, learning rate and schedule, Adam betas, no KL, fp32
    master weights with bf16 autocast, vLLM colocated), its checkpoints evaluated by
-   `alignment.evaluate` like ours.
+   `alignment.evaluate` like ours (one call for all of them: one engine).
 
 With two GPUs, TRL and the base-model evaluation run on the second GPU while ours
 runs on the first, each alone on its GPU (the host is shared). Writes
@@ -137,14 +137,21 @@ class Lane:
 
 def evaluate(lane: Lane, stage: str, model: Path, args) -> float:
     """`alignment.evaluate` on the test split (greedy, r1_zero); returns the accuracy."""
-    command = [sys.executable, "-m", "alignment.evaluate", "--model_path", str(model), "--output_dir", str(lane.out / stage),
+    return evaluate_each(lane, stage, [(stage, model)], args)[0]
+
+
+def evaluate_each(lane: Lane, log: str, stages_and_models: list[tuple[str, Path]], args) -> list[float]:
+    """One `alignment.evaluate` call for several checkpoints (TRL's: one engine, each loaded into it in place),
+    each into <out>/<stage>; one log, <out>/<log>.log. Returns the accuracies in order."""
+    command = [sys.executable, "-m", "alignment.evaluate", "--model_path", *(str(model) for _, model in stages_and_models),
+               "--output_dir", *(str(lane.out / stage) for stage, _ in stages_and_models),
                "--data_dir", str(args.data_dir), "--device", args.device_name, "--max_tokens", str(args.eval_max_tokens),
                "--repetition_penalty", str(args.rl["repetition_penalty"])]  # as train_rl's evaluations, which share the rollouts' penalty
     if args.eval_num_examples:
         command += ["--num_examples", str(args.eval_num_examples)]
-    command += ["--vllm_kv_cache_gb", "1"] if args.device == "cpu" else ["--vllm_enforce_eager"]  # one generate: no compile to amortise
-    lane.run(stage, command)
-    return json.loads((lane.out / stage / "metrics.json").read_text())["avg_all_rewards"]
+    command += ["--vllm_kv_cache_gb", "1"] if args.device == "cpu" else ["--vllm_enforce_eager"]  # one generate each: no compile to amortise
+    lane.run(log, command)
+    return [json.loads((lane.out / stage / "metrics.json").read_text())["avg_all_rewards"] for stage, _ in stages_and_models]
 
 
 def main():
@@ -241,8 +248,8 @@ def main():
 
     def trl_rl():
         peer.run("trl", trl_command(args, start), deadline)
-        for step, checkpoint in trl_checkpoints(args.out / "trl", rl):
-            evaluate(peer, f"eval_trl_{step}", checkpoint, args)
+        if checkpoints := trl_checkpoints(args.out / "trl", rl):
+            evaluate_each(peer, "eval_trl", [(f"eval_trl_{step}", checkpoint) for step, checkpoint in checkpoints], args)
 
     with ThreadPoolExecutor(2) as pool:
         ours_done = pool.submit(our_rl)

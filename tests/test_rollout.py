@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignment.rollout import Generation, HfEngine, SamplingSettings, isolate_compile_caches, truncate_at_stop
+from alignment.rollout import Generation, HfEngine, SamplingSettings, checkpoint_tensors, isolate_compile_caches, truncate_at_stop
 
 PROMPTS = [
     "User: What is 3 plus 4?\nAssistant: <think>",
@@ -118,6 +118,19 @@ def test_sync_makes_vllm_sampler_follow_the_policy(vllm_engine, tiny_model_and_t
     vllm_engine.load_weights((name, tensor) for name, tensor in model.state_dict().items())
     assert texts(vllm_engine) == start_texts
 
+
+
+def test_a_tied_checkpoint_read_from_disk_gives_the_sampler_its_weights_back(vllm_engine, tiny_model_and_tokenizer, tiny_checkpoint):
+    """train_rl's frozen sampler under torchrun and evaluate's later checkpoints load a folder's own files, which hold
+    no lm_head.weight when it is tied: the output layer comes back too (vLLM's CPU reload kept the previous one)."""
+    model, _ = tiny_model_and_tokenizer
+    start_texts = texts(vllm_engine)
+    vllm_engine.load_weights(perturbed(model, seed=1).state_dict().items())
+    assert texts(vllm_engine) != start_texts
+    tensors = dict(checkpoint_tensors(tiny_checkpoint))
+    assert tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]
+    vllm_engine.load_weights(checkpoint_tensors(tiny_checkpoint))
+    assert texts(vllm_engine) == start_texts
 
 def test_vllm_honours_min_tokens_and_stop(vllm_engine):
     outputs = vllm_engine.generate(PROMPTS, SamplingSettings(temperature=1.0, min_tokens=5, max_tokens=9))

