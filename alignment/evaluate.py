@@ -274,12 +274,63 @@ def main(argv=None) -> dict | list[dict]:
                 raise UserError(f"--output_dir {output_dir} would hold the evaluations of both {models[other]} and {models[index]}; "
                                 "pass one --output_dir per --model_path (nothing was changed)")
     dataset = Gsm8kDataset(args.split, args.data_dir, limit=args.num_examples)
+    groups = engine_groups(models)
     with OutputLock([(output_dir, "--output_dir") for output_dir in output_dirs]):  # two evaluations never write one folder at once
         for model, output_dir in zip(models, output_dirs, strict=True):
             claim_log_folder(output_dir, "--output_dir")
             check_replaceable(output_dir, model, args, len(dataset.prompts), default=args.output_dir is None)
-        results = _evaluate_all(args, dataset, list(zip(models, output_dirs, strict=True)))
-    return results[0] if len(results) == 1 else results
+        if len(groups) == 1:
+            return _evaluate_group(args, dataset, models, output_dirs)
+    # checkpoints no one engine can hold: vLLM keeps one engine per process (another, once the first is
+    # closed, found the first's GPU memory still taken), so each group runs in a child process, which
+    # checks and locks its folders again (they were all checked above, before any evaluation)
+    results = [None] * len(models)
+    for group in groups:
+        group_models, group_outputs = [models[i] for i in group], [output_dirs[i] for i in group]
+        print(f"evaluating {', '.join(group_models)} in a child process (another engine)", flush=True)
+        code = subprocess.run(_command_for(args, group_models, group_outputs), env=_child_env()).returncode
+        if code:
+            raise UserError(f"the evaluation of {', '.join(group_models)} failed (exit {code}; its output is above); "
+                            "the checkpoints evaluated before it are written")
+        for index, output_dir in zip(group, group_outputs, strict=True):
+            results[index] = json.loads((output_dir / "metrics.json").read_text())
+    return results
+
+
+def engine_groups(models) -> list[list[int]]:
+    """The checkpoints' indices, grouped by the engine that can evaluate them (`same_engine_model` with the
+    group's first), groups in order of their first checkpoint."""
+    groups = []
+    for index, model in enumerate(models):
+        group = next((group for group in groups if same_engine_model(models[group[0]], model)), None)
+        if group is None:
+            groups.append([index])
+        else:
+            group.append(index)
+    return groups
+
+
+def _command_for(args, models, output_dirs) -> list[str]:
+    """This CLI for `models` with every other flag as `args` holds it."""
+    import argparse
+
+    from alignment.args import build_eval_parser
+
+    command = [sys.executable, "-m", "alignment.evaluate", "--model_path", *map(str, models), "--output_dir", *map(str, output_dirs)]
+    for action in build_eval_parser()._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest in ("help", "model_path", "output_dir") or value is None:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            command.append(action.option_strings[0 if value else 1])
+        else:
+            command += [action.option_strings[0], str(value)]
+    return command
+
+
+def _child_env() -> dict:
+    repo_root = Path(__file__).resolve().parent.parent
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))}
 
 
 # what an evaluation is of, as metrics.json records it: another value makes it another evaluation
@@ -325,26 +376,24 @@ def _setup_text(values: dict, changed: list[str], prefix: str = "") -> str:
     return ", ".join([f"{values['num_examples']} {values['split']} examples", *shown])
 
 
-def _evaluate_all(args, dataset, models_and_outputs) -> list[dict]:
-    """Each (checkpoint, output folder) in turn; the engine of one serves the next when `same_engine_model` says so."""
+def _evaluate_group(args, dataset, models, output_dirs) -> dict | list[dict]:
+    """Checkpoints one engine can hold (`engine_groups`): it is built for the first, and each later one's weights
+    are loaded into it in place. One checkpoint: its metrics; several: theirs, in order."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    results, engine, engine_model = [], None, None
+    loaded = read_manifest(models[0])  # the copy the engine loads (its step, its files); None for a folder from elsewhere
+    engine = build_engine(args.backend, models[0], device, dtype, args.seed, args)
+    results = []
     try:
-        for model_path, output_dir in models_and_outputs:
-            loaded = read_manifest(model_path)  # the copy the engine loads (its step, its files); None for a folder from elsewhere
-            if engine is not None and same_engine_model(engine_model, model_path):
-                engine.load_weights(checkpoint_tensors(model_path))
-                print(f"loaded {model_path} into the engine of {engine_model}")
-            else:
-                if engine is not None:
-                    engine.close()
-                engine, engine_model = build_engine(args.backend, model_path, device, dtype, args.seed, args), model_path
-            results.append(_evaluate(args, dataset, model_path, output_dir, engine, loaded))
+        for index, (model, output_dir) in enumerate(zip(models, output_dirs, strict=True)):
+            if index:
+                loaded = read_manifest(model)
+                engine.load_weights(checkpoint_tensors(model))
+                print(f"loaded {model} into the engine of {models[0]}", flush=True)
+            results.append(_evaluate(args, dataset, model, output_dir, engine, loaded))
     finally:
-        if engine is not None:
-            engine.close()
-    return results
+        engine.close()
+    return results[0] if len(results) == 1 else results
 
 
 def same_engine_model(loaded, other) -> bool:

@@ -298,6 +298,27 @@ def test_evaluate_several_checkpoints_with_one_engine(task, tmp_path, backend, m
     assert together[1]["avg_all_rewards"] == alone["avg_all_rewards"] and together[1]["mean_response_tokens"] == alone["mean_response_tokens"]
 
 
+
+def test_checkpoints_no_one_engine_holds_are_evaluated_in_a_child_process_each(task, tmp_path):
+    """An SFT checkpoint beside RL checkpoints of another architecture: vLLM keeps one engine per process (a second
+    one, after the first closed, found its GPU memory still taken), so each group runs in a child process; the
+    results are those of separate calls, in the order given."""
+    from alignment.toy.synthetic_task import tokenizer_corpus
+    from alignment.toy.tiny_model import build_tiny_checkpoint
+
+    deeper = _perturbed_copy(build_tiny_checkpoint(tmp_path / "deeper_init", texts=tokenizer_corpus(task.data), vocab_size=400, num_layers=3),
+                             tmp_path / "deeper")
+    later = _perturbed_copy(task.sft, tmp_path / "later")
+    models = [task.sft, deeper, later]
+    assert evaluate.engine_groups(models) == [[0, 2], [1]]
+    common = ["--data_dir", str(task.data), "--num_examples", "3", "--max_tokens", "6", "--backend", "hf", "--dtype", "float32"]
+    together = evaluate.main(["--model_path", *map(str, models), "--output_dir", *(str(tmp_path / f"together_{i}") for i in range(3)), *common])
+    assert [metrics["model_path"] for metrics in together] == list(map(str, models))
+    for index, model in enumerate(models):
+        evaluate.main(["--model_path", str(model), "--output_dir", str(tmp_path / f"alone_{index}"), *common])
+        assert _responses(tmp_path / f"together_{index}") == _responses(tmp_path / f"alone_{index}")
+    assert len({tuple(_responses(tmp_path / f"alone_{index}")) for index in range(3)}) == 3
+
 def test_several_checkpoints_share_an_engine_only_when_it_fits_them(task, tmp_path):
     """In-place loading needs one architecture and one tokenizer; anything else gets an engine of its own."""
     from alignment.toy.synthetic_task import tokenizer_corpus
