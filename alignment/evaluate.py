@@ -273,6 +273,8 @@ def main(argv=None) -> dict | list[dict]:
             if same_path(output_dir, output_dirs[other]):
                 raise UserError(f"--output_dir {output_dir} would hold the evaluations of both {models[other]} and {models[index]}; "
                                 "pass one --output_dir per --model_path (nothing was changed)")
+    if len(models) > 1:  # no output inside another checkpoint or output, no checkpoint given twice
+        check_distinct_outputs([(model, "--model_path") for model in models if Path(model).exists()] + [(folder, "--output_dir") for folder in output_dirs])
     dataset = Gsm8kDataset(args.split, args.data_dir, limit=args.num_examples)
     groups = engine_groups(models)
     with OutputLock([(output_dir, "--output_dir") for output_dir in output_dirs]):  # two evaluations never write one folder at once

@@ -346,4 +346,6 @@ def test_evaluate_wants_one_output_folder_per_checkpoint(task, tmp_path):
     shutil.copytree(task.sft, twin)
     with pytest.raises(UserError, match=r"would hold the evaluations of both .* pass one --output_dir per --model_path \(nothing was changed\)$"):
         evaluate.main(["--model_path", str(task.sft), str(twin), *base])
-    assert not (tmp_path / "runs").exists()
+    with pytest.raises(UserError, match=r"^--output_dir .*/b/sft/eval is inside --model_path \(.*/b/sft\); give each output its own folder"):
+        evaluate.main(["--model_path", str(task.sft), str(twin), "--output_dir", str(twin / "eval"), str(tmp_path / "a"), *base])
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "a").exists() and not (twin / "eval").exists()
