@@ -402,8 +402,9 @@ def same_engine_model(loaded, other) -> bool:
     """Whether checkpoint `other` can be evaluated by the engine built for `loaded` with its weights loaded in
     place: both local folders with safetensors weights, one architecture (config.json alike but for the fields
     that name the copy, its stored dtype, which the engine's --dtype overrides, and the cache flag), and one
-    tokenizer (its files alike but for the padding and truncation sides, which trainers set and generation
-    here never reads: TRL's checkpoints pad on the left)."""
+    tokenizer (its files alike but for padding and truncation: the sides trainers set, and the state of the
+    tokenizer's last padded call, which a fast tokenizer saves into tokenizer.json; generation here reads
+    neither. TRL's checkpoints pad on the left, and their tokenizer.json holds its last batch's padding)."""
     loaded, other = Path(loaded), Path(other)
     if not (loaded.is_dir() and other.is_dir()) or not any(other.glob("*.safetensors")):
         return False
@@ -416,7 +417,8 @@ def same_engine_model(loaded, other) -> bool:
 
     def fingerprint(folder):
         return (without(folder / "config.json", {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}),
-                {name: (folder / name).read_bytes() for name in (*TOKENIZER_FILES, "merges.txt") if (folder / name).is_file()},
+                {name: without(folder / name, {"padding", "truncation"}) if name == "tokenizer.json" else (folder / name).read_bytes()
+                 for name in (*TOKENIZER_FILES, "merges.txt") if (folder / name).is_file()},
                 [without(folder / name, {"padding_side", "truncation_side"}) for name in ("tokenizer_config.json", "special_tokens_map.json")])
 
     return fingerprint(loaded) == fingerprint(other)

@@ -329,7 +329,12 @@ def test_several_checkpoints_share_an_engine_only_when_it_fits_them(task, tmp_pa
     assert evaluate.same_engine_model(task.sft, later)
     settings = json.loads((later / "tokenizer_config.json").read_text())
     (later / "tokenizer_config.json").write_text(json.dumps({**settings, "padding_side": "left", "truncation_side": "left"}))
-    assert evaluate.same_engine_model(task.sft, later)  # as TRL saves it: generation never reads either
+    vocabulary = json.loads((later / "tokenizer.json").read_text())
+    (later / "tokenizer.json").write_text(json.dumps({**vocabulary, "padding": {"strategy": "BatchLongest", "direction": "Left", "pad_id": 0}}))
+    assert evaluate.same_engine_model(task.sft, later)  # as TRL saves them (its last batch's padding): generation reads neither
+    (later / "tokenizer.json").write_text(json.dumps({**vocabulary, "added_tokens": vocabulary["added_tokens"][:-1]}))
+    assert not evaluate.same_engine_model(task.sft, later)
+    (later / "tokenizer.json").write_text(json.dumps(vocabulary))
     (later / "tokenizer_config.json").write_text(json.dumps({**settings, "eos_token": "<|other|>"}))
     assert not evaluate.same_engine_model(task.sft, later)
     assert evaluate.same_engine_model(task.sft, build_tiny_checkpoint(tmp_path / "seed1", texts=texts, vocab_size=400, seed=1))
