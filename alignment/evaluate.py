@@ -15,7 +15,9 @@ are deterministic and comparable across checkpoints. `--samples N` adds pass@K
 
 evaluates a run's checkpoints with one engine, loading each one's weights into it in
 place (greedy: the numbers of separate calls, without an engine start per checkpoint;
-pass@k samples continue one random stream instead of restarting it per checkpoint).
+torch's generator is seeded with --seed before each checkpoint's generation); checkpoints
+one engine cannot hold (another architecture or tokenizer) are evaluated in a child
+process per group.
 """
 
 import json
@@ -273,8 +275,14 @@ def main(argv=None) -> dict | list[dict]:
             if same_path(output_dir, output_dirs[other]):
                 raise UserError(f"--output_dir {output_dir} would hold the evaluations of both {models[other]} and {models[index]}; "
                                 "pass one --output_dir per --model_path (nothing was changed)")
-    if len(models) > 1:  # no output inside another checkpoint or output, no checkpoint given twice
-        check_distinct_outputs([(model, "--model_path") for model in models if Path(model).exists()] + [(folder, "--output_dir") for folder in output_dirs])
+    if len(models) > 1:  # no output inside another output or checkpoint (a checkpoint inside another is a trainer's layout), none given twice
+        check_distinct_outputs([(folder, "--output_dir") for folder in output_dirs])
+        for model in filter(lambda model: Path(model).exists(), models):
+            for output_dir in output_dirs:
+                check_distinct_outputs([(model, "--model_path"), (output_dir, "--output_dir")])
+        for index, model in enumerate(models):
+            if any(same_path(model, other) for other in models[:index]):
+                raise UserError(f"--model_path {model} is given twice; pass each checkpoint once (nothing was changed)")
     dataset = Gsm8kDataset(args.split, args.data_dir, limit=args.num_examples)
     groups = engine_groups(models)
     with OutputLock([(output_dir, "--output_dir") for output_dir in output_dirs]):  # two evaluations never write one folder at once
@@ -401,7 +409,8 @@ def _evaluate_group(args, dataset, models, output_dirs) -> dict | list[dict]:
 def same_engine_model(loaded, other) -> bool:
     """Whether checkpoint `other` can be evaluated by the engine built for `loaded` with its weights loaded in
     place: both local folders with safetensors weights, one architecture (config.json alike but for the fields
-    that name the copy, its stored dtype, which the engine's --dtype overrides, and the cache flag), and one
+    that name the copy, its stored dtype, which the engine's --dtype overrides, and the cache flag), one
+    generation_config.json (vLLM stops at its end-of-sequence ids), and one
     tokenizer (its files alike but for padding and truncation: the sides trainers set, and the state of the
     tokenizer's last padded call, which a fast tokenizer saves into tokenizer.json; generation here reads
     neither. TRL's checkpoints pad on the left, and their tokenizer.json holds its last batch's padding)."""
@@ -417,6 +426,7 @@ def same_engine_model(loaded, other) -> bool:
 
     def fingerprint(folder):
         return (without(folder / "config.json", {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}),
+                without(folder / "generation_config.json", {"transformers_version"}),  # vLLM stops at its eos_token_id too
                 {name: without(folder / name, {"padding", "truncation"}) if name == "tokenizer.json" else (folder / name).read_bytes()
                  for name in (*TOKENIZER_FILES, "merges.txt") if (folder / name).is_file()},
                 [without(folder / name, {"padding_side", "truncation_side"}) for name in ("tokenizer_config.json", "special_tokens_map.json")])

@@ -484,8 +484,10 @@ def checkpoint_tensors(folder):
 
     from safetensors.torch import load_file
 
+    index = Path(folder) / "model.safetensors.index.json"  # a sharded checkpoint's own list of its files
+    files = sorted({Path(folder) / name for name in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() else sorted(Path(folder).glob("*.safetensors"))
     tensors = {}
-    for file in sorted(Path(folder).glob("*.safetensors")):
+    for file in files:
         tensors.update(load_file(str(file)))
     config = json.loads((Path(folder) / "config.json").read_text())
     if config.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
@@ -498,7 +500,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of 
 
 def check_model_folder(path, flag: str) -> None:
     """Before any engine loads a local model folder: its config names an architecture transformers knows, its
-    tokenizer loads, and every weight in its safetensors files has the shape its config.json implies.
+    tokenizer loads, and its safetensors files hold every parameter, each of the shape its config.json implies
+    (a shard missing or cut short: from_pretrained fails late, an in-place load would keep the previous values).
 
     Each problem is one line naming the flag, the folder and what to do (vLLM and transformers would fail deep
     inside, or only after a whole run). A hub id is left to transformers."""
@@ -523,14 +526,21 @@ def check_model_folder(path, flag: str) -> None:
         raise UserError(f"{flag} {path}: its tokenizer does not load ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}); "
                         "restore the tokenizer files") from None
     with torch.device("meta"):
-        expected = {name: tuple(tensor.shape) for name, tensor in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     from alignment.checkpoint import safetensors_shapes
 
+    present = set()
     for file in sorted(path.glob("*.safetensors")):
         for name, shape in safetensors_shapes(file).items():
             if name in expected and expected[name] != shape:
                 raise UserError(f"{flag} {path}: {file.name} holds {name} of shape {list(shape)}, but its config.json makes it {list(expected[name])}; "
                                 "the weights and config.json come from different models: restore the matching config.json")
+            present.add(name)
+    missing = sorted({name for name, _ in model.named_parameters()} - present)  # a tied output layer is listed once, as the embeddings
+    if present and missing:
+        raise UserError(f"{flag} {path}: its safetensors files hold no {missing[0]}{f' (nor {len(missing) - 1} more weights)' if len(missing) > 1 else ''}; "
+                        "a shard is missing or incomplete: restore the checkpoint")
 
 
 def load_hf_model(model_path, device: str, dtype: torch.dtype):

@@ -287,11 +287,11 @@ def trl_command(args, start: Path) -> list[str]:
 def trl_checkpoints(trl_out: Path, rl: dict) -> list[tuple[int, Path]]:
     """TRL's saved checkpoints as (rollout step, folder), in step order: every --trl_save_every
     rounds and, time-boxed, the last round's (TRL names them by optimizer step; a save cut short
-    by the deadline has no config.json and is left out)."""
+    by the deadline has no trainer_state.json, which the Trainer writes after the weights, and is left out)."""
     found = []
     for folder in trl_out.glob("checkpoint-*"):
         optimizer_step = folder.name.rpartition("-")[2]
-        if optimizer_step.isdigit() and (folder / "config.json").is_file():
+        if optimizer_step.isdigit() and (folder / "trainer_state.json").is_file():
             found.append((int(optimizer_step) // optimizer_steps_per_rollout(rl), folder))
     return sorted(found)
 

@@ -160,11 +160,12 @@ def test_trl_time_box_ends_on_a_round_and_every_saved_checkpoint_is_evaluated(mo
     args.rl_minutes = None
     assert "--max_train_minutes" not in trl_command(args, tmp_path / "sft")
     # TRL names checkpoints by optimizer step, two per rollout step here: every 20 rounds, the time box's round 23,
-    # not a save cut short (no config.json) nor a folder of another name
+    # not a save cut short (its config.json and weights written, not yet the trainer_state.json that ends a save) nor a folder of another name
     for name, complete in (("checkpoint-80", True), ("checkpoint-40", True), ("checkpoint-46", True), ("checkpoint-60", False), ("checkpoint-x", True)):
         (tmp_path / "trl" / name).mkdir(parents=True)
+        (tmp_path / "trl" / name / "config.json").write_text("{}")
         if complete:
-            (tmp_path / "trl" / name / "config.json").write_text("{}")
+            (tmp_path / "trl" / name / "trainer_state.json").write_text("{}")
     assert trl_checkpoints(tmp_path / "trl", RL) == [(20, tmp_path / "trl" / "checkpoint-40"), (23, tmp_path / "trl" / "checkpoint-46"),
                                                      (40, tmp_path / "trl" / "checkpoint-80")]
 

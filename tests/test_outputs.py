@@ -1014,8 +1014,17 @@ def _broken_model_folders(pipeline) -> dict[str, Path]:
             (folder / "config.json").write_text(json.dumps(config))
         return change
 
+    def missing_shard(folder):  # sharded (with its index), then one shard gone
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        (folder / "model.safetensors").unlink()
+        model.save_pretrained(folder, max_shard_size="100KB")
+        sorted(folder.glob("model-*.safetensors"))[-1].unlink()
+
     breaks = {
         "no_tokenizer": lambda folder: [file.unlink() for file in folder.glob("*token*")],
+        "missing_shard": missing_shard,
         "vocab_size": config_change(vocab_size=lambda config: config["vocab_size"] + 7),
         "other_shape": config_change(intermediate_size=lambda config: config["intermediate_size"] * 2),
         "model_type": config_change(model_type="qwen9"),
@@ -1032,6 +1041,7 @@ def _broken_model_folders(pipeline) -> dict[str, Path]:
 
 BROKEN_MODEL_MESSAGES = {
     "no_tokenizer": r"has no tokenizer \(tokenizer.json or tokenizer.model or vocab.json\); save the tokenizer beside the weights",
+    "missing_shard": r"its safetensors files hold no [\w.]+( \(nor \d+ more weights\))?; a shard is missing or incomplete: restore the checkpoint",
     "vocab_size": r"model.safetensors holds model.embed_tokens.weight of shape \[\d+, \d+\], but its config.json makes it \[\d+, \d+\]",
     "other_shape": r"model.safetensors holds model.layers.0.mlp.\w+.weight of shape .* the weights and config.json come from different models",
     "model_type": r"its config.json does not load \(.*model type `qwen9`.*\); restore it, or install a transformers that knows its model_type",
@@ -1040,8 +1050,8 @@ BROKEN_MODEL_MESSAGES = {
 
 
 def test_a_broken_model_folder_is_one_line_before_any_engine_loads_it(pipeline):
-    """A folder without tokenizer files, with a wrong vocab_size, with weights of another shape, an unknown model_type,
-    a truncated tokenizer.json: as evaluate's --model_path, train_rl's --sft_checkpoint_path and train_sft's --model."""
+    """A folder without tokenizer files, with a shard missing, with a wrong vocab_size, with weights of another shape, an unknown
+    model_type, a truncated tokenizer.json: as evaluate's --model_path, train_rl's --sft_checkpoint_path and train_sft's --model."""
     for name, folder in _broken_model_folders(pipeline).items():
         message = BROKEN_MODEL_MESSAGES[name]
         with pytest.raises(UserError, match=rf"--model_path .*{name}(: | ){message}"):

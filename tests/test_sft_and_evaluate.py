@@ -335,6 +335,24 @@ def test_several_checkpoints_share_an_engine_only_when_it_fits_them(task, tmp_pa
     (later / "tokenizer.json").write_text(json.dumps({**vocabulary, "added_tokens": vocabulary["added_tokens"][:-1]}))
     assert not evaluate.same_engine_model(task.sft, later)
     (later / "tokenizer.json").write_text(json.dumps(vocabulary))
+    generation = json.loads((later / "generation_config.json").read_text())
+    (later / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [generation["eos_token_id"], 5]}))
+    assert not evaluate.same_engine_model(task.sft, later)  # vLLM would stop at the first checkpoint's end tokens
+    (later / "generation_config.json").write_text(json.dumps(generation))
+    # sharded, its index listing the files: loaded from the index's files only (a stale file beside them is not read)
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from alignment.rollout import checkpoint_tensors
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(later, sharded)
+    (sharded / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(later).save_pretrained(sharded, max_shard_size="100KB")
+    save_file({"model.norm.weight": torch.zeros(128)}, str(sharded / "stale.safetensors"))
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1 and evaluate.same_engine_model(task.sft, sharded)
+    unsharded = dict(checkpoint_tensors(later))
+    assert {name: tensor.tolist() for name, tensor in checkpoint_tensors(sharded)} == {name: tensor.tolist() for name, tensor in unsharded.items()}
     (later / "tokenizer_config.json").write_text(json.dumps({**settings, "eos_token": "<|other|>"}))
     assert not evaluate.same_engine_model(task.sft, later)
     assert evaluate.same_engine_model(task.sft, build_tiny_checkpoint(tmp_path / "seed1", texts=texts, vocab_size=400, seed=1))
@@ -353,4 +371,11 @@ def test_evaluate_wants_one_output_folder_per_checkpoint(task, tmp_path):
         evaluate.main(["--model_path", str(task.sft), str(twin), *base])
     with pytest.raises(UserError, match=r"^--output_dir .*/b/sft/eval is inside --model_path \(.*/b/sft\); give each output its own folder"):
         evaluate.main(["--model_path", str(task.sft), str(twin), "--output_dir", str(twin / "eval"), str(tmp_path / "a"), *base])
+    with pytest.raises(UserError, match=r"^--model_path .*/b/sft/ is given twice; pass each checkpoint once \(nothing was changed\)$"):
+        evaluate.main(["--model_path", str(twin), f"{twin}/", "--output_dir", str(tmp_path / "a"), str(tmp_path / "c"), *base])
     assert not (tmp_path / "runs").exists() and not (tmp_path / "a").exists() and not (twin / "eval").exists()
+    # a trainer's layout, its checkpoints inside its output folder, is no collision
+    shutil.copytree(task.sft, twin / "checkpoint-1")
+    results = evaluate.main(["--model_path", str(twin), str(twin / "checkpoint-1"), "--output_dir", str(tmp_path / "a"), str(tmp_path / "c"),
+                             "--max_tokens", "4", *base])
+    assert [metrics["model_path"] for metrics in results] == [str(twin), str(twin / "checkpoint-1")]
