@@ -20,6 +20,7 @@ one engine cannot hold (another architecture or tokenizer) are evaluated in a ch
 process per group.
 """
 
+import argparse
 import json
 import math
 import os
@@ -29,7 +30,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from alignment.args import check_checkpoint, parse_eval_args
+from alignment.args import build_eval_parser, check_checkpoint, parse_eval_args
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, log_folder_run_id, read_manifest, run_logs,
                                   same_path, sft_run_in, start_over)
 from alignment.data import Gsm8kDataset
@@ -155,8 +156,7 @@ def evaluate_in_subprocess(model_path, args, output_dir, device: str) -> dict:
         command += ["--vllm_gpu_memory_utilization", str(args.vllm_gpu_memory_utilization)]
     if args.vllm_enforce_eager is not None:
         command.append("--vllm_enforce_eager" if args.vllm_enforce_eager else "--no-vllm_enforce_eager")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(command, cwd=repo_root, env=env)
+    result = subprocess.run(command, cwd=repo_root, env=_child_env())
     if result.returncode:
         raise UserError(f"evaluation of {model_path} on {device} failed (exit {result.returncode}); its output is above")
     metrics = json.loads((Path(output_dir) / "metrics.json").read_text())
@@ -264,25 +264,24 @@ def main(argv=None) -> dict | list[dict]:
         raise UserError(f"--output_dir: {len(args.output_dir)} folder(s) for {len(models)} --model_path; give one folder per checkpoint, "
                         "in the same order, or none for runs/eval/<model folder name>")
     output_dirs = [Path(folder) for folder in args.output_dir] if args.output_dir else [Path("runs") / "eval" / Path(model).name for model in models]
-    for model, output_dir in zip(models, output_dirs, strict=True):
+    for model in models:
         check_checkpoint(model, "--model_path", "pass a folder written by train_sft/train_rl or a hub id")
-        if Path(model).exists():  # metrics written into a checkpoint would make it a folder the tool no longer owns
+    for model in filter(lambda model: Path(model).exists(), models):  # metrics written into a checkpoint would make it a folder the tool no longer owns
+        for output_dir in output_dirs:
             check_distinct_outputs([(model, "--model_path"), (output_dir, "--output_dir")])
-        check_saved_model(model, "it cannot be evaluated; restore it or pass another --model_path")
-        check_model_folder(model, "--model_path")
     for index, output_dir in enumerate(output_dirs):  # two checkpoints named alike (a/rl, b/rl) share the default folder
         for other in range(index):
             if same_path(output_dir, output_dirs[other]):
                 raise UserError(f"--output_dir {output_dir} would hold the evaluations of both {models[other]} and {models[index]}; "
                                 "pass one --output_dir per --model_path (nothing was changed)")
-    if len(models) > 1:  # no output inside another output or checkpoint (a checkpoint inside another is a trainer's layout), none given twice
+    if len(models) > 1:  # no output inside another output (a checkpoint inside another is a trainer's layout), none given twice
         check_distinct_outputs([(folder, "--output_dir") for folder in output_dirs])
-        for model in filter(lambda model: Path(model).exists(), models):
-            for output_dir in output_dirs:
-                check_distinct_outputs([(model, "--model_path"), (output_dir, "--output_dir")])
         for index, model in enumerate(models):
             if any(same_path(model, other) for other in models[:index]):
                 raise UserError(f"--model_path {model} is given twice; pass each checkpoint once (nothing was changed)")
+    for model in models:
+        check_saved_model(model, "it cannot be evaluated; restore it or pass another --model_path")
+        check_model_folder(model, "--model_path")
     dataset = Gsm8kDataset(args.split, args.data_dir, limit=args.num_examples)
     groups = engine_groups(models)
     with OutputLock([(output_dir, "--output_dir") for output_dir in output_dirs]):  # two evaluations never write one folder at once
@@ -310,9 +309,10 @@ def main(argv=None) -> dict | list[dict]:
 def engine_groups(models) -> list[list[int]]:
     """The checkpoints' indices, grouped by the engine that can evaluate them (`same_engine_model` with the
     group's first), groups in order of their first checkpoint."""
+    fingerprints = [engine_fingerprint(model) for model in models]
     groups = []
-    for index, model in enumerate(models):
-        group = next((group for group in groups if same_engine_model(models[group[0]], model)), None)
+    for index, fingerprint in enumerate(fingerprints):
+        group = next((group for group in groups if fingerprint is not None and fingerprints[group[0]] == fingerprint), None)
         if group is None:
             groups.append([index])
         else:
@@ -322,10 +322,6 @@ def engine_groups(models) -> list[list[int]]:
 
 def _command_for(args, models, output_dirs) -> list[str]:
     """This CLI for `models` with every other flag as `args` holds it."""
-    import argparse
-
-    from alignment.args import build_eval_parser
-
     command = [sys.executable, "-m", "alignment.evaluate", "--model_path", *map(str, models), "--output_dir", *map(str, output_dirs)]
     for action in build_eval_parser()._actions:
         value = getattr(args, action.dest, None)
@@ -339,6 +335,7 @@ def _command_for(args, models, output_dirs) -> list[str]:
 
 
 def _child_env() -> dict:
+    """The environment of a child process running this package's CLI: the repo on PYTHONPATH."""
     repo_root = Path(__file__).resolve().parent.parent
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))}
 
@@ -414,9 +411,16 @@ def same_engine_model(loaded, other) -> bool:
     tokenizer (its files alike but for padding and truncation: the sides trainers set, and the state of the
     tokenizer's last padded call, which a fast tokenizer saves into tokenizer.json; generation here reads
     neither. TRL's checkpoints pad on the left, and their tokenizer.json holds its last batch's padding)."""
-    loaded, other = Path(loaded), Path(other)
-    if not (loaded.is_dir() and other.is_dir()) or not any(other.glob("*.safetensors")):
-        return False
+    fingerprint = engine_fingerprint(loaded)
+    return fingerprint is not None and fingerprint == engine_fingerprint(other)
+
+
+def engine_fingerprint(folder):
+    """What `same_engine_model` compares of a checkpoint folder; None for a hub id or a folder without safetensors
+    weights (in-place loading reads safetensors files), which never shares an engine."""
+    folder = Path(folder)
+    if not folder.is_dir() or not any(folder.glob("*.safetensors")):
+        return None
 
     def without(path, ignored):
         if not path.is_file():
@@ -424,14 +428,11 @@ def same_engine_model(loaded, other) -> bool:
         value = json.loads(path.read_text())
         return {key: item for key, item in value.items() if key not in ignored} if isinstance(value, dict) else value
 
-    def fingerprint(folder):
-        return (without(folder / "config.json", {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}),
-                without(folder / "generation_config.json", {"transformers_version"}),  # vLLM stops at its eos_token_id too
-                {name: without(folder / name, {"padding", "truncation"}) if name == "tokenizer.json" else (folder / name).read_bytes()
-                 for name in (*TOKENIZER_FILES, "merges.txt") if (folder / name).is_file()},
-                [without(folder / name, {"padding_side", "truncation_side"}) for name in ("tokenizer_config.json", "special_tokens_map.json")])
-
-    return fingerprint(loaded) == fingerprint(other)
+    return (without(folder / "config.json", {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}),
+            without(folder / "generation_config.json", {"transformers_version"}),  # vLLM stops at its eos_token_id too
+            {name: without(folder / name, {"padding", "truncation"}) if name == "tokenizer.json" else (folder / name).read_bytes()
+             for name in (*TOKENIZER_FILES, "merges.txt") if (folder / name).is_file()},
+            [without(folder / name, {"padding_side", "truncation_side"}) for name in ("tokenizer_config.json", "special_tokens_map.json")])
 
 
 def _evaluate(args, dataset, model_path, output_dir, engine, loaded) -> dict:
