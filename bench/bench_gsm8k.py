@@ -176,6 +176,9 @@ def main():
     parser.add_argument("--recipe", action=argparse.BooleanOptionalAction, default=True, help="run the recipe's own RL run (rl) before the variants; --no-recipe without --variant runs TRL alone from the start checkpoint")
     parser.add_argument("--base_eval", action=argparse.BooleanOptionalAction, default=True,
                         help="evaluate the start model; --no-base_eval starts RL from SFT without it (the rule picks SFT whenever it beats the base)")
+    parser.add_argument("--sft_eval", action=argparse.BooleanOptionalAction, default=True,
+                        help="evaluate SFT on the test split before RL; --no-sft_eval (with --no-base_eval) leaves that to our first RL run's "
+                             "step-0 evaluation, the same greedy pass on its own engine, and saves one engine start")
     parser.add_argument("--sft_flags", default="--num_epochs 1 --batch_size 32 --microbatch_size 32 --eval_num_examples 64",
                         help="train_sft flags (its own end-of-training evaluation is HF generate on --eval_num_examples; the recipe's is alignment.evaluate)")
     parser.add_argument("--data_dir", type=Path, default=REPO_ROOT / "data" / "gsm8k")
@@ -192,6 +195,9 @@ def main():
     variants = [parse_variant(text) for text in args.variant]
     if not args.recipe and not variants and not args.trl:
         raise SystemExit("--no-recipe --no-trl leaves no RL run: add at least one --variant NAME=FLAGS, or drop --no-trl")
+    if not args.sft_eval and (args.base_eval or not (args.recipe or variants)):
+        raise SystemExit("--no-sft_eval needs --no-base_eval (the start is chosen from both accuracies) and a run of ours (its step 0 is SFT's "
+                         "evaluation): add --no-base_eval, or drop --no-sft_eval")
     if args.summarize_only:
         earlier = summary_runs(args.out, False, [])[1]
         write_summary(args.out, args.model, args.gpus, rl, args.rl_run, args.trl_dir, [name for name in earlier if name != args.rl_run])
@@ -228,7 +234,7 @@ def main():
             tiny = ["--num_train_examples", "16", "--max_steps", "2", "--batch_size", "8", "--microbatch_size", "8", "--eval_num_examples", "2", "--eval_max_tokens", "8"]
             ours.run("sft", [sys.executable, "-m", "alignment.train_sft", "--model", str(args.model), "--checkpoint_path", str(sft),
                              "--log_dir", str(args.out / "runs"), *common, *(tiny if args.tiny else args.sft_flags.split())])
-        return evaluate(ours, "eval_sft", sft, args)
+        return evaluate(ours, "eval_sft", sft, args) if args.sft_eval else None
 
     with ThreadPoolExecutor(2) as pool:
         base = pool.submit(evaluate, peer, "eval_base", args.model, args) if args.base_eval else None
@@ -236,7 +242,8 @@ def main():
         base, tuned = (base.result() if base else None), (tuned.result() if tuned else sft_stage())
     start = sft if base is None or tuned >= base else args.model  # ties: SFT, the seed's order
     (args.out / "rl_start.json").write_text(json.dumps({"rl_start": "sft" if start == sft else "base", "path": str(start)}) + "\n")
-    print(f"base {'not evaluated' if base is None else f'{base:.3f}'}, SFT {tuned:.3f}: RL starts from {start}", flush=True)
+    print(f"base {'not evaluated' if base is None else f'{base:.3f}'}, SFT {'at our step 0' if tuned is None else f'{tuned:.3f}'}: "
+          f"RL starts from {start}", flush=True)
 
     # 3-4. ours (the recipe, then each variant, one after another) and TRL from the same start
     def one_rl(name: str, extra: list[str]):
@@ -332,6 +339,8 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "r
                 print(f"{out / stage} evaluated {metrics['model_path']}, not {evaluated}: left out of the summary", flush=True)
                 continue
             summary[stage] = {key: metrics[key] for key in ("avg_all_rewards", "format_reward", "mean_response_tokens", "num_examples")}
+    if "eval_sft" not in summary and (step_zero := _step_zero(out, [rl_run, *variant_runs])):  # --no-sft_eval
+        summary["eval_sft"] = step_zero
     if "eval_sft" not in summary:  # what every curve starts from
         raise SystemExit(f"--out {out} holds no evaluation of its SFT checkpoint (eval_sft/metrics.json): not a bench_gsm8k folder, or one "
                          f"whose SFT was not evaluated; pass the --out a run wrote (nothing was changed)")
@@ -349,6 +358,20 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "r
     draw(summary, out / "gsm8k_curves.png")
     print_table(summary)
     return summary
+
+
+def _step_zero(out: Path, runs) -> dict | None:
+    """SFT's evaluation as the first of `runs` (ours, then the variants) logged it at step 0, when the run started
+    from SFT (rl_start.json): --no-sft_eval's stand-in for eval_sft."""
+    started = json.loads((out / "rl_start.json").read_text()) if (out / "rl_start.json").is_file() else {}
+    if started.get("rl_start") != "sft":
+        return None
+    for run in filter(None, runs):
+        for row in read_jsonl(out / "runs" / run / "evals.jsonl"):
+            if row["step"] == 0:
+                keys = ("avg_all_rewards", "format_reward", "mean_response_tokens", "num_examples")
+                return {**{key: row[key] for key in keys}, "evaluated_by": f"runs/{run} step 0"}
+    return None
 
 
 def moved_with(out: Path, stage: str, recorded) -> bool:
