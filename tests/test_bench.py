@@ -278,6 +278,38 @@ def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypa
     assert "TRL  step    1: accuracy 0.625" in capsys.readouterr().out
 
 
+def test_gsm8k_no_sft_eval_takes_sfts_accuracy_from_our_first_runs_step_zero(monkeypatch, tmp_path):
+    """--no-sft_eval saves the separate evaluation of SFT: its accuracy is the step-0 evaluation of our first run that
+    logged one, only when that run started from SFT; without either the summary refuses in one line. The flag is
+    refused before any work unless --no-base_eval is given and a run of ours follows."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    from bench_gsm8k import RL, write_summary
+
+    row = {"format_reward": 0.98, "answer_reward": 0.5, "num_examples": 1319, "mean_response_tokens": 113.0, "seconds": 9.0}
+    (tmp_path / "runs" / "rl").mkdir(parents=True)
+    (tmp_path / "runs" / "lr4").mkdir(parents=True)
+    (tmp_path / "runs" / "rl" / "steps.jsonl").write_text(json.dumps({"step": 1, "perf/step_seconds": 3.0, "train/reward": 0.5}) + "\n")
+    (tmp_path / "runs" / "rl" / "evals.jsonl").write_text("".join(json.dumps({**row, "step": step, "avg_all_rewards": accuracy}) + "\n"
+                                                                  for step, accuracy in ((1, 0.55),)))  # a run without --evaluate_at_start
+    (tmp_path / "runs" / "lr4" / "steps.jsonl").write_text(json.dumps({"step": 1, "perf/step_seconds": 3.0, "train/reward": 0.5}) + "\n")
+    (tmp_path / "runs" / "lr4" / "evals.jsonl").write_text("".join(json.dumps({**row, "step": step, "avg_all_rewards": accuracy}) + "\n"
+                                                                   for step, accuracy in ((0, 0.527), (1, 0.56))))
+    (tmp_path / "rl_start.json").write_text(json.dumps({"rl_start": "sft"}))
+    summary = write_summary(tmp_path, "models/x", "0", RL, rl_run="rl", variant_runs=["lr4"])
+    assert summary["eval_sft"] == {"avg_all_rewards": 0.527, "format_reward": 0.98, "mean_response_tokens": 113.0, "num_examples": 1319,
+                                   "evaluated_by": "runs/lr4 step 0"}  # ours logged no step 0: the variant's
+    (tmp_path / "runs" / "rl" / "evals.jsonl").write_text(json.dumps({**row, "step": 0, "avg_all_rewards": 0.53}) + "\n")
+    assert write_summary(tmp_path, "models/x", "0", RL, rl_run="rl", variant_runs=["lr4"])["eval_sft"]["evaluated_by"] == "runs/rl step 0"
+    (tmp_path / "rl_start.json").write_text(json.dumps({"rl_start": "base"}))  # step 0 is then the base model's, not SFT's
+    with pytest.raises(SystemExit, match="holds no evaluation of its SFT checkpoint"):
+        write_summary(tmp_path, "models/x", "0", RL, rl_run="rl", variant_runs=["lr4"])
+    for flags in (["--no-sft_eval"], ["--no-sft_eval", "--no-base_eval", "--no-recipe"]):
+        result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "out"), *flags],
+                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 1 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+        assert result.stderr.strip().startswith("--no-sft_eval needs --no-base_eval"), result.stderr[-2000:]
+
+
 def test_gsm8k_summary_of_a_moved_out_keeps_its_sft_and_a_wrong_out_is_one_line(tmp_path):
     """`mv runs/gsm8k runs/gsm8k_run1`, then --summarize_only on it: eval_sft's recorded path no longer matched, so
     summary.json was rewritten without SFT's numbers and the script died in a KeyError; a mistyped --out alike."""
