@@ -211,6 +211,8 @@ def main():
         if found := [str(path) for path in (args.out / name, args.out / "runs" / name) if path.exists()]:
             raise SystemExit(f"--out {args.out}: our run {name} has run there already ({', '.join(found)}); the summary would report that run: "
                              "pass a new --out, move those folders away, or name the variant otherwise")
+    if not args.base_eval:  # the start is SFT: known now, before any work
+        check_same_start(args.out, "sft")
     if (args.out / "sft" / "config.json").is_file():
         made_from = (read_manifest(args.out / "sft") or {}).get("start_model")
         if made_from != start_model_name(args.model):
@@ -241,6 +243,7 @@ def main():
         tuned = pool.submit(sft_stage) if peer is not ours else None
         base, tuned = (base.result() if base else None), (tuned.result() if tuned else sft_stage())
     start = sft if base is None or tuned >= base else args.model  # ties: SFT, the seed's order
+    check_same_start(args.out, "sft" if start == sft else "base")
     (args.out / "rl_start.json").write_text(json.dumps({"rl_start": "sft" if start == sft else "base", "path": str(start)}) + "\n")
     print(f"base {'not evaluated' if base is None else f'{base:.3f}'}, SFT {'at our step 0' if tuned is None else f'{tuned:.3f}'}: "
           f"RL starts from {start}", flush=True)
@@ -278,6 +281,17 @@ def summary_runs(out: Path, recipe: bool, variants: list[str]) -> tuple[str | No
     earlier = sorted(path.name for path in (out / "runs").glob("*") if path.name != "sft" and (path / "steps.jsonl").is_file())
     ours = "rl" if recipe or "rl" in earlier else variants[0] if variants else None
     return ours, [name for name in dict.fromkeys([*variants, *earlier]) if name != ours]
+
+
+def check_same_start(out: Path, start: str) -> None:
+    """Refuse a call whose RL would start from another checkpoint than the runs already in `out`: rl_start.json
+    holds one start for the whole summary, and overwriting it would draw those runs from the wrong step 0."""
+    recorded = json.loads((out / "rl_start.json").read_text()).get("rl_start") if (out / "rl_start.json").is_file() else None
+    runs = sorted(path.name for path in (out / "runs").glob("*") if path.name != "sft" and (path / "steps.jsonl").is_file())
+    runs += ["trl"] if earlier_run(out / "trl") else []
+    if recorded not in (None, start) and runs:
+        raise SystemExit(f"--out {out}: its RL runs ({', '.join(runs[:3])}) started from {recorded}, this call's would start from {start} "
+                         f"(one summary holds one start): pass a new --out, or {'drop --no-base_eval' if start == 'sft' else 'add --no-base_eval'}")
 
 
 def trl_command(args, start: Path) -> list[str]:

@@ -310,6 +310,35 @@ def test_gsm8k_no_sft_eval_takes_sfts_accuracy_from_our_first_runs_step_zero(mon
         assert result.stderr.strip().startswith("--no-sft_eval needs --no-base_eval"), result.stderr[-2000:]
 
 
+def test_gsm8k_call_that_would_start_rl_elsewhere_than_the_runs_in_its_out_is_refused(monkeypatch, tmp_path):
+    """rl_start.json holds one start for a whole --out: a later `--no-base_eval --variant ...` call into an --out whose
+    runs started from the base model rewrote it as "sft", and the summary drew those runs from SFT's accuracy. Now
+    such a call stops before any work (it knows its start is SFT); an --out without runs, or with the same start, is fine."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    from bench_gsm8k import check_same_start
+
+    out = tmp_path / "out"
+    (out / "runs" / "sft").mkdir(parents=True)
+    (out / "runs" / "sft" / "steps.jsonl").write_text('{"step": 1}\n')  # SFT's log is no RL run
+    (out / "rl_start.json").write_text(json.dumps({"rl_start": "base", "path": "models/x"}))
+    check_same_start(out, "sft")
+    (out / "trl").mkdir()
+    (out / "trl" / "checkpoint-2").mkdir()
+    with pytest.raises(SystemExit, match=r"its RL runs \(trl\) started from base, this call's would start from sft"):
+        check_same_start(out, "sft")
+    check_same_start(out, "base")
+    shutil.rmtree(out / "trl")
+    (out / "runs" / "rl").mkdir()
+    (out / "runs" / "rl" / "steps.jsonl").write_text('{"step": 1}\n')
+    result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", str(tmp_path / "none"), "--out", str(out), "--device", "cpu", "--tiny",
+                             "--no-base_eval", "--no-recipe", "--no-trl", "--variant", "lr4=--learning_rate 4e-6"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().endswith("its RL runs (rl) started from base, this call's would start from sft (one summary holds one start): "
+                                          "pass a new --out, or drop --no-base_eval")
+    assert json.loads((out / "rl_start.json").read_text())["rl_start"] == "base" and sorted(p.name for p in out.iterdir()) == ["rl_start.json", "runs"]
+
+
 def test_gsm8k_summary_of_a_moved_out_keeps_its_sft_and_a_wrong_out_is_one_line(tmp_path):
     """`mv runs/gsm8k runs/gsm8k_run1`, then --summarize_only on it: eval_sft's recorded path no longer matched, so
     summary.json was rewritten without SFT's numbers and the script died in a KeyError; a mistyped --out alike."""
