@@ -110,9 +110,9 @@ class Lane:
     def run(self, stage: str, command: list[str], deadline: float | None = None) -> float:
         """Run one stage to the end, or to `deadline` (time.time()); returns its minutes.
 
-        Past the deadline the stage gets SIGTERM (train_rl finishes its step and exits; its
-        evaluations so far are logged), then SIGKILL a minute later. Any other failure stops
-        the benchmark."""
+        Past the deadline the stage gets SIGTERM (train_rl finishes its step and exits, its
+        evaluations so far logged; bench_trl finishes its generation round and saves it, to be
+        evaluated with the others), then SIGKILL a minute later. Any other failure stops the benchmark."""
         started = time.perf_counter()
         print(f"[{self.name}] {stage}: {' '.join(command)}", flush=True)
         with open(self.out / f"{stage}.log", "w") as log:

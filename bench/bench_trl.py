@@ -31,12 +31,16 @@ it, as train_rl's flag does, and saves that round's checkpoint too.
 Numerics are TRL's defaults in both: the policy loaded in fp32 (`model_init_kwargs`
 default) and trained under bf16 autocast, i.e. fp32 master weights, as train_rl does.
 Each step's wall time, TRL's own timers (generation, weight sync, reward, scoring,
-loss) and the GPU's peak memory go to <out>/steps.jsonl (W1: <out>/w1_steps.jsonl); the median of steps 2..N is printed.
+loss), the GPU's peak memory and the logged train reward go to <out>/steps.jsonl (W1: <out>/w1_steps.jsonl), each
+row as its step ends (a run stopped early keeps them); the median of steps 2..N is printed.
 """
 
 import argparse
 import json
+import os
+import signal
 import statistics
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -61,12 +65,74 @@ def start_steps_log(out, workload: str) -> Path:
     return steps_log
 
 
+def add_reward(steps_log: Path, step: int, reward: float) -> bool:
+    """Write `reward` into optimizer step `step`'s row of `steps_log` at once (TRL logs it after the row is written), so that
+    a run stopped early (bench_gsm8k's deadline, a crash) keeps every reward it logged; the file is replaced whole, never
+    left half written. Returns whether that row was there."""
+    rows = [json.loads(line) for line in steps_log.read_text().splitlines()] if steps_log.is_file() else []
+    found = False
+    for row in rows:
+        if row["step"] == step:
+            row["reward"], found = reward, True
+    if found:
+        partial = steps_log.with_name(steps_log.name + ".partial")
+        partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        os.replace(partial, steps_log)
+    return found
+
+
 def time_box_ends(elapsed_seconds: float, minutes: float | None, step: int, optimizer_steps_per_round: int, max_steps: int) -> bool:
     """--max_train_minutes: whether training ends after optimizer step `step` (TRL's global step).
 
     Only at the last optimizer step of a generation round (a round is never cut in two), once
     `minutes` of training have passed, and not at the run's last step (it ends and saves anyway)."""
     return bool(minutes) and elapsed_seconds >= 60 * minutes and step % optimizer_steps_per_round == 0 and step < max_steps
+
+
+def step_clock(steps_log: Path, timers: dict, optimizer_steps_per_round: int, max_train_minutes: float | None, max_steps: int, save_at_end: bool,
+               stop: threading.Event | None = None):
+    """The TrainerCallback that writes each optimizer step's row to `steps_log` as the step ends: its wall time, TRL's
+    timers (`timers`, summed since the last step, then cleared), the GPU's peak memory, and the train reward as soon as
+    TRL logs it. It ends training at `max_train_minutes` (`time_box_ends`), or once `stop` is set (main sets it on
+    SIGTERM: bench_gsm8k's deadline), after the round's last optimizer step, saving that round when `save_at_end`."""
+    stop = stop or threading.Event()
+    import torch
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        """Each optimizer step's row, one JSON line per step."""
+
+        def __init__(self):
+            self.began = self.last = None
+            self.rewards = {}  # a reward logged before its step's row (not what TRL does now): written with the row
+
+        def on_step_begin(self, *_, **__):
+            if self.began is None:
+                self.began = self.last = time.perf_counter()
+
+        def on_log(self, _args, state, _control, logs=None, **__):
+            if logs and "reward" in logs and not add_reward(steps_log, state.global_step, logs["reward"]):
+                self.rewards[state.global_step] = logs["reward"]
+
+        def on_step_end(self, _args, state, control, **__):
+            now = time.perf_counter()
+            row = {"step": state.global_step, "rollout_step": -(-state.global_step // optimizer_steps_per_round), "step_seconds": now - self.last, "elapsed_seconds": now - self.began,
+                   "generate_seconds": timers.get("vLLM.generate", timers.get("transformers.generate")), "sync_seconds": timers.get("sync_weights"),
+                   "timers": dict(timers), "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+                   "reward": self.rewards.pop(state.global_step, None)}
+            self.last = now
+            timers.clear()
+            with open(steps_log, "a") as handle:
+                handle.write(json.dumps(row) + "\n")
+            stopped = stop.is_set() and state.global_step % optimizer_steps_per_round == 0
+            if stopped or time_box_ends(row["elapsed_seconds"], max_train_minutes, state.global_step, optimizer_steps_per_round, max_steps):
+                why = "asked to stop (SIGTERM)" if stopped else f"--max_train_minutes {max_train_minutes:g}"
+                print(f"{why}: {row['elapsed_seconds'] / 60:.1f} minutes after optimizer step "
+                      f"{state.global_step} (rollout step {row['rollout_step']}); the run ends here", flush=True)
+                control.should_training_stop = True
+                control.should_save = save_at_end  # the last round's weights, for alignment.evaluate
+
+    return StepClock()
 
 
 def main():
@@ -105,7 +171,6 @@ def main():
                      "its checkpoints would mix with this run's: pass a new --out, or move that folder away")
 
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     from trl.extras import profiling
 
@@ -169,43 +234,9 @@ def main():
     profiling.ProfilingContext._log_metrics = record
     steps_log = start_steps_log(args.out, args.workload)
 
-    class StepClock(TrainerCallback):
-        """Each optimizer step's wall time, TRL's timers and reward, one JSON line per step."""
-
-        def __init__(self):
-            self.began = self.last = None
-            self.rewards = {}
-
-        def on_step_begin(self, *_, **__):
-            if self.began is None:
-                self.began = self.last = time.perf_counter()
-
-        def on_log(self, _args, state, _control, logs=None, **__):
-            if logs and "reward" in logs:
-                self.rewards[state.global_step] = logs["reward"]
-
-        def on_step_end(self, _args, state, control, **__):
-            import torch
-
-            now = time.perf_counter()
-            row = {"step": state.global_step, "rollout_step": -(-state.global_step // optimizer_steps_per_round), "step_seconds": now - self.last, "elapsed_seconds": now - self.began,
-                   "generate_seconds": timers.get("vLLM.generate", timers.get("transformers.generate")), "sync_seconds": timers.get("sync_weights"),
-                   "timers": dict(timers), "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
-            self.last = now
-            timers.clear()
-            with open(steps_log, "a") as handle:
-                handle.write(json.dumps(row) + "\n")
-            if time_box_ends(row["elapsed_seconds"], args.max_train_minutes, state.global_step, optimizer_steps_per_round, config.max_steps):
-                print(f"--max_train_minutes {args.max_train_minutes:g}: {row['elapsed_seconds'] / 60:.1f} minutes after optimizer step "
-                      f"{state.global_step} (rollout step {row['rollout_step']}); the run ends here", flush=True)
-                control.should_training_stop = True
-                control.should_save = args.workload == "gsm8k"  # the last round's weights, for alignment.evaluate
-
-        def on_train_end(self, *_, **__):  # rewards are logged after on_step_end: add them to the rows now
-            rows = [json.loads(line) for line in steps_log.read_text().splitlines()]
-            steps_log.write_text("".join(json.dumps({**row, "reward": self.rewards.get(row["step"])}) + "\n" for row in rows))
-
-    clock = StepClock()
+    stop = threading.Event()  # bench_gsm8k's deadline sends SIGTERM: end after this round, with its checkpoint
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    clock = step_clock(steps_log, timers, optimizer_steps_per_round, args.max_train_minutes, config.max_steps, save_at_end=args.workload == "gsm8k", stop=stop)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[clock])
     print(f"TRL policy dtype {next(trainer.model.parameters()).dtype}, bf16 autocast {config.bf16}", flush=True)
     trainer.train()

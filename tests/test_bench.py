@@ -381,3 +381,67 @@ def test_step_bench_runs_on_the_callers_gpus(monkeypatch):
         visible_gpus(2, "1")
     with pytest.raises(SystemExit, match="--gpus 1, but CUDA_VISIBLE_DEVICES= leaves 0"):
         visible_gpus(1, "")
+
+
+def test_trl_rewards_reach_the_steps_log_as_they_are_logged_not_only_at_the_end_of_training(monkeypatch, tmp_path):
+    """TRL logs a step's reward after that step's row is written; bench_trl added the rewards to the rows only when
+    training ended, so a run stopped by bench_gsm8k's deadline (SIGTERM) lost every one of them. The callback is driven
+    here as the Trainer drives it (step begins, step ends, then its log), with no end of training."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    from types import SimpleNamespace
+
+    from bench_gsm8k import read_trl
+    from bench_trl import add_reward, step_clock
+
+    from alignment.plot import read_jsonl
+
+    steps_log, timers = tmp_path / "steps.jsonl", {}
+    clock = step_clock(steps_log, timers, optimizer_steps_per_round=2, max_train_minutes=None, max_steps=8, save_at_end=True)
+    for step, reward in ((1, 0.16), (2, None), (3, 0.25), (4, None)):
+        state, control = SimpleNamespace(global_step=step), SimpleNamespace(should_training_stop=False, should_save=False)
+        timers["vLLM.generate"] = 1.5 if reward is not None else 0.0  # TRL's timers of this step, cleared by the row
+        clock.on_step_begin(None, state, control)
+        clock.on_step_end(None, state, control)
+        clock.on_log(None, state, control, logs={"loss": 0.001, **({"reward": reward} if reward is not None else {})})
+        rows = read_jsonl(steps_log)  # on disk as the run goes
+        assert [row["step"] for row in rows] == list(range(1, step + 1)) and rows[-1]["timers"] == ({"vLLM.generate": 1.5} if reward is not None else {"vLLM.generate": 0.0})
+        assert not timers and not control.should_training_stop
+    assert [row["reward"] for row in read_jsonl(steps_log)] == [0.16, None, 0.25, None]
+    assert read_trl(tmp_path)["trl_train_reward"] == [(1, 0.16), (2, 0.25)]  # bench_gsm8k's summary, per rollout step
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["steps.jsonl"]  # replaced whole, nothing left beside it
+    # a reward logged before its row (not TRL's order now) is kept for the row
+    assert not add_reward(steps_log, 5, 0.5)
+    state = SimpleNamespace(global_step=5)
+    clock.on_log(None, state, None, logs={"reward": 0.5})
+    clock.on_step_end(None, state, SimpleNamespace(should_training_stop=False, should_save=False))
+    assert read_jsonl(steps_log)[-1]["reward"] == 0.5
+
+
+def test_trl_stopped_by_the_deadline_ends_after_its_round_and_saves_it(monkeypatch, tmp_path):
+    """bench_gsm8k's deadline sends SIGTERM; bench_trl died inside its round and its last rounds' weights were never
+    evaluated (the H100 run of RESULTS lost rounds 21-25 so). Now the signal ends training after the round's last
+    optimizer step, with a save, as the time box does; a step inside a round goes on."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    import threading
+    from types import SimpleNamespace
+
+    from bench_trl import step_clock
+
+    stop = threading.Event()
+    clock = step_clock(tmp_path / "steps.jsonl", {}, optimizer_steps_per_round=2, max_train_minutes=None, max_steps=100, save_at_end=True, stop=stop)
+    controls = []
+    for step in range(1, 6):
+        if step == 3:
+            stop.set()  # the signal arrives during round 2's first optimizer step
+        controls.append(SimpleNamespace(should_training_stop=False, should_save=False))
+        clock.on_step_begin(None, SimpleNamespace(global_step=step), controls[-1])
+        clock.on_step_end(None, SimpleNamespace(global_step=step), controls[-1])
+        if controls[-1].should_training_stop:
+            break
+    assert [(c.should_training_stop, c.should_save) for c in controls] == [(False, False), (False, False), (False, False), (True, True)]
+    # W1 (no checkpoints to evaluate) stops without a save
+    clock = step_clock(tmp_path / "w1_steps.jsonl", {}, optimizer_steps_per_round=1, max_train_minutes=None, max_steps=100, save_at_end=False, stop=stop)
+    control = SimpleNamespace(should_training_stop=False, should_save=False)
+    clock.on_step_begin(None, SimpleNamespace(global_step=1), control)
+    clock.on_step_end(None, SimpleNamespace(global_step=1), control)
+    assert control.should_training_stop and not control.should_save
