@@ -70,6 +70,22 @@ RL = {
 TINY_RL = {**RL, "prompts_per_step": 2, "group_size": 4, "train_batch_size": 4, "max_tokens": 24, "learning_rate": 1e-5}
 
 
+# train_rl flags that change how its evaluations are made: a run given one of them evaluates its step 0 otherwise than
+# alignment.evaluate evaluates SFT in the recipe, so --no-sft_eval never takes SFT's accuracy from it
+EVALUATION_FLAGS = ("--repetition_penalty", "--eval_max_tokens", "--eval_num_examples", "--eval_split", "--eval_engine")
+
+
+def sft_evaluated_by(recipe: bool, variants: list[tuple[str, list[str]]]) -> str | None:
+    """The run of this call whose step-0 evaluation stands for SFT's under --no-sft_eval: the recipe's own, else the
+    first variant whose flags leave the evaluation as the recipe's; None when every run changes it."""
+    if recipe:
+        return "rl"
+    for name, flags in variants:
+        if not any(flag == option or flag.startswith(option + "=") for flag in flags for option in EVALUATION_FLAGS):
+            return name
+    return None
+
+
 def train_rl_flags(rl: dict) -> list[str]:
     return [
         "--rollout_batch_size", str(rl["prompts_per_step"]), "--group_size", str(rl["group_size"]), "--train_batch_size", str(rl["train_batch_size"]),
@@ -177,8 +193,9 @@ def main():
     parser.add_argument("--base_eval", action=argparse.BooleanOptionalAction, default=True,
                         help="evaluate the start model; --no-base_eval starts RL from SFT without it (the rule picks SFT whenever it beats the base)")
     parser.add_argument("--sft_eval", action=argparse.BooleanOptionalAction, default=True,
-                        help="evaluate SFT on the test split before RL; --no-sft_eval (with --no-base_eval) leaves that to our first RL run's "
-                             "step-0 evaluation, the same greedy pass on its own engine, and saves one engine start")
+                        help="evaluate SFT on the test split before RL; --no-sft_eval (with --no-base_eval) leaves that to the step-0 evaluation "
+                             "of the recipe's run (else of the first variant that changes no evaluation flag), the same greedy pass on its own "
+                             "engine, and saves one engine start")
     parser.add_argument("--sft_flags", default="--num_epochs 1 --batch_size 32 --microbatch_size 32 --eval_num_examples 64",
                         help="train_sft flags (its own end-of-training evaluation is HF generate on --eval_num_examples; the recipe's is alignment.evaluate)")
     parser.add_argument("--data_dir", type=Path, default=REPO_ROOT / "data" / "gsm8k")
@@ -198,9 +215,16 @@ def main():
     if not args.sft_eval and (args.base_eval or not (args.recipe or variants)):
         raise SystemExit("--no-sft_eval needs --no-base_eval (the start is chosen from both accuracies) and a run of ours (its step 0 is SFT's "
                          "evaluation): add --no-base_eval, or drop --no-sft_eval")
-    if args.summarize_only:
+    stands_for_sft = sft_evaluated_by(args.recipe, variants)
+    if not args.sft_eval and not args.summarize_only and stands_for_sft is None:
+        raise SystemExit(f"--no-sft_eval: every run of this call changes how it evaluates ({', '.join(EVALUATION_FLAGS)}), so none of their "
+                         "step-0 evaluations is SFT's as the recipe makes it: drop --no-recipe, add a variant without those flags, or drop --no-sft_eval")
+    if args.summarize_only:  # the GPUs and RL settings the runs had (this call's flags may differ), our run only where it ran
         earlier = summary_runs(args.out, False, [])[1]
-        write_summary(args.out, args.model, args.gpus, rl, args.rl_run, args.trl_dir, [name for name in earlier if name != args.rl_run])
+        before = json.loads((args.out / "summary.json").read_text()) if (args.out / "summary.json").is_file() else {}
+        ours_run = args.rl_run if (args.out / "runs" / args.rl_run / "steps.jsonl").is_file() else None
+        write_summary(args.out, args.model, before.get("gpus", args.gpus), before.get("rl_settings", rl), ours_run, args.trl_dir,
+                      [name for name in earlier if name != ours_run])
         return
     # before SFT and our runs, not after them; an earlier run's evaluations (eval_trl_<step>) would be summarised as the new one's
     if args.trl and (found := earlier_run(args.out / "trl") + sorted(path.name for path in args.out.glob("eval_trl_*"))):
@@ -244,7 +268,11 @@ def main():
         base, tuned = (base.result() if base else None), (tuned.result() if tuned else sft_stage())
     start = sft if base is None or tuned >= base else args.model  # ties: SFT, the seed's order
     check_same_start(args.out, "sft" if start == sft else "base")
-    (args.out / "rl_start.json").write_text(json.dumps({"rl_start": "sft" if start == sft else "base", "path": str(start)}) + "\n")
+    started = {"rl_start": "sft" if start == sft else "base", "path": str(start)}
+    if tuned is None:  # --no-sft_eval: whose step 0 is SFT's evaluation (an earlier call's, when that run is still there)
+        earlier = json.loads((args.out / "rl_start.json").read_text()).get("sft_evaluated_by") if (args.out / "rl_start.json").is_file() else None
+        started["sft_evaluated_by"] = earlier if earlier and (args.out / "runs" / earlier / "evals.jsonl").is_file() else stands_for_sft
+    (args.out / "rl_start.json").write_text(json.dumps(started) + "\n")
     print(f"base {'not evaluated' if base is None else f'{base:.3f}'}, SFT {'at our step 0' if tuned is None else f'{tuned:.3f}'}: "
           f"RL starts from {start}", flush=True)
 
@@ -346,21 +374,25 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "r
     """summary.json, gsm8k_curves.png and a printed table, from what the stages wrote in `out`
     (`rl_run` None: no run of ours, TRL's alone)."""
     summary = {"model": str(model), "gpus": gpus, "rl_settings": {k: list(v) if isinstance(v, tuple) else v for k, v in rl.items()}}
-    for stage, evaluated in (("eval_base", model), ("eval_sft", out / "sft")):
+    started = json.loads((out / "rl_start.json").read_text()) if (out / "rl_start.json").is_file() else {}  # what the run started from
+    base_model = started["path"] if started.get("rl_start") == "base" and started.get("path") else model
+    for stage, evaluated in (("eval_base", base_model), ("eval_sft", out / "sft")):
         if (out / stage / "metrics.json").is_file():  # --no-base_eval skips the first
             metrics = json.loads((out / stage / "metrics.json").read_text())
             if "model_path" in metrics and not same_path(metrics["model_path"], evaluated) and not moved_with(out, stage, metrics["model_path"]):
                 print(f"{out / stage} evaluated {metrics['model_path']}, not {evaluated}: left out of the summary", flush=True)
                 continue
             summary[stage] = {key: metrics[key] for key in ("avg_all_rewards", "format_reward", "mean_response_tokens", "num_examples")}
-    if "eval_sft" not in summary and (step_zero := _step_zero(out, [rl_run, *variant_runs])):  # --no-sft_eval
+    if "eval_sft" not in summary and (step_zero := _step_zero(out)):  # --no-sft_eval
         summary["eval_sft"] = step_zero
     if "eval_sft" not in summary:  # what every curve starts from
         raise SystemExit(f"--out {out} holds no evaluation of its SFT checkpoint (eval_sft/metrics.json): not a bench_gsm8k folder, or one "
                          f"whose SFT was not evaluated; pass the --out a run wrote (nothing was changed)")
     base = summary.get("eval_base", {}).get("avg_all_rewards", float("-inf"))
-    chosen = json.loads((out / "rl_start.json").read_text())["rl_start"] if (out / "rl_start.json").is_file() else None  # what the run started from
-    summary["rl_start"] = chosen or ("sft" if summary["eval_sft"]["avg_all_rewards"] >= base else "base")
+    summary["rl_start"] = started.get("rl_start") or ("sft" if summary["eval_sft"]["avg_all_rewards"] >= base else "base")
+    if summary["rl_start"] == "base" and "eval_base" not in summary:  # the curves start from it
+        raise SystemExit(f"--out {out}: its RL started from the base model {base_model}, and it holds no evaluation of that model "
+                         "(eval_base/metrics.json): pass the --out a run wrote (nothing was changed)")
     if rl_run is not None:
         summary.update(read_ours(out / "runs" / rl_run))
     summary["variants"] = {name: read_ours(out / "runs" / name) for name in variant_runs if name != rl_run and (out / "runs" / name / "steps.jsonl").is_file()}
@@ -374,17 +406,17 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "r
     return summary
 
 
-def _step_zero(out: Path, runs) -> dict | None:
-    """SFT's evaluation as the first of `runs` (ours, then the variants) logged it at step 0, when the run started
-    from SFT (rl_start.json): --no-sft_eval's stand-in for eval_sft."""
+def _step_zero(out: Path) -> dict | None:
+    """SFT's evaluation as the run rl_start.json names (`sft_evaluated_by`: one that evaluates as the recipe does) logged
+    it at step 0, when RL started from SFT: --no-sft_eval's stand-in for eval_sft."""
     started = json.loads((out / "rl_start.json").read_text()) if (out / "rl_start.json").is_file() else {}
-    if started.get("rl_start") != "sft":
+    if started.get("rl_start") != "sft" or not started.get("sft_evaluated_by"):
         return None
-    for run in filter(None, runs):
-        for row in read_jsonl(out / "runs" / run / "evals.jsonl"):
-            if row["step"] == 0:
-                keys = ("avg_all_rewards", "format_reward", "mean_response_tokens", "num_examples")
-                return {**{key: row[key] for key in keys}, "evaluated_by": f"runs/{run} step 0"}
+    run = started["sft_evaluated_by"]
+    for row in read_jsonl(out / "runs" / run / "evals.jsonl"):
+        if row["step"] == 0:
+            keys = ("avg_all_rewards", "format_reward", "mean_response_tokens", "num_examples")
+            return {**{key: row[key] for key in keys}, "evaluated_by": f"runs/{run} step 0"}
     return None
 
 

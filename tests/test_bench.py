@@ -121,6 +121,18 @@ def test_gsm8k_recipe_script_runs_sft_then_the_recipe_and_a_variant_from_it(tmp_
     recipe = (tmp_path / "out" / "rl.log").read_text()
     assert summary["rl_settings"]["length_normalization"] == "constant" and "--train_batch_size 4" in out and "--cliprange_high 0.28" in out
     assert "Traceback" not in recipe
+    # a later call into the same --out, --no-sft_eval: SFT reused, a penalty variant refused, another recorded as the
+    # run whose step 0 is SFT's evaluation; the summary keeps the first call's runs and its SFT evaluation
+    (tmp_path / "out" / "eval_sft").rename(tmp_path / "out" / "eval_sft_moved")
+    later = ["--model", "task/sft", "--device", "cpu", "--tiny", "--no-trl", "--no-base_eval", "--no-sft_eval", "--no-recipe", "--data_dir", "task/data"]
+    refused = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "bench_gsm8k.py"), "--out", "out", *later, "--variant", "penalty=--repetition_penalty 1.1"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and refused.stderr.startswith("--no-sft_eval: every run of this call changes how it evaluates")
+    out = run_bench("bench_gsm8k.py", "out", *later, "--variant", "lr=--learning_rate 1e-4", cwd=tmp_path)
+    assert "reusing the SFT checkpoint" in out
+    assert json.loads((tmp_path / "out" / "rl_start.json").read_text())["sft_evaluated_by"] == "lr"
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["eval_sft"]["evaluated_by"] == "runs/lr step 0" and sorted(summary["variants"]) == ["grpo_mean", "lr"] and summary["ours_evals"]
 
 
 def test_gsm8k_recipe_time_box_is_train_rls_own_so_the_final_evaluation_stays(monkeypatch, tmp_path):
@@ -278,12 +290,19 @@ def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypa
     assert "TRL  step    1: accuracy 0.625" in capsys.readouterr().out
 
 
-def test_gsm8k_no_sft_eval_takes_sfts_accuracy_from_our_first_runs_step_zero(monkeypatch, tmp_path):
-    """--no-sft_eval saves the separate evaluation of SFT: its accuracy is the step-0 evaluation of our first run that
-    logged one, only when that run started from SFT; without either the summary refuses in one line. The flag is
-    refused before any work unless --no-base_eval is given and a run of ours follows."""
+def test_gsm8k_no_sft_eval_takes_sfts_accuracy_from_a_step_zero_evaluated_as_the_recipe_does(monkeypatch, tmp_path):
+    """--no-sft_eval saves the separate evaluation of SFT: its accuracy is the step-0 evaluation of the run rl_start.json
+    names, one that evaluates as the recipe does (the recipe's own, else the first variant that changes no evaluation
+    flag: `--repetition_penalty 1.1` would have made every curve start from SFT at penalty 1.1), only when RL started
+    from SFT; without it the summary refuses in one line. The flag is refused before any work unless --no-base_eval is
+    given and a run of ours follows that evaluates as the recipe does."""
     monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
-    from bench_gsm8k import RL, write_summary
+    from bench_gsm8k import RL, sft_evaluated_by, write_summary
+
+    assert sft_evaluated_by(True, [("penalty", ["--repetition_penalty", "1.1"])]) == "rl"
+    assert sft_evaluated_by(False, [("penalty", ["--repetition_penalty", "1.1"]), ("short", ["--eval_max_tokens=256"]), ("lr4", ["--learning_rate", "4e-6"]),
+                                    ("seed1", ["--seed", "1"])]) == "lr4"
+    assert sft_evaluated_by(False, [("penalty", ["--repetition_penalty", "1.1"]), ("few", ["--eval_num_examples", "64"])]) is None
 
     row = {"format_reward": 0.98, "answer_reward": 0.5, "num_examples": 1319, "mean_response_tokens": 113.0, "seconds": 9.0}
     (tmp_path / "runs" / "rl").mkdir(parents=True)
@@ -294,20 +313,27 @@ def test_gsm8k_no_sft_eval_takes_sfts_accuracy_from_our_first_runs_step_zero(mon
     (tmp_path / "runs" / "lr4" / "steps.jsonl").write_text(json.dumps({"step": 1, "perf/step_seconds": 3.0, "train/reward": 0.5}) + "\n")
     (tmp_path / "runs" / "lr4" / "evals.jsonl").write_text("".join(json.dumps({**row, "step": step, "avg_all_rewards": accuracy}) + "\n"
                                                                    for step, accuracy in ((0, 0.527), (1, 0.56))))
-    (tmp_path / "rl_start.json").write_text(json.dumps({"rl_start": "sft"}))
+    (tmp_path / "rl_start.json").write_text(json.dumps({"rl_start": "sft", "sft_evaluated_by": "lr4"}))
     summary = write_summary(tmp_path, "models/x", "0", RL, rl_run="rl", variant_runs=["lr4"])
     assert summary["eval_sft"] == {"avg_all_rewards": 0.527, "format_reward": 0.98, "mean_response_tokens": 113.0, "num_examples": 1319,
-                                   "evaluated_by": "runs/lr4 step 0"}  # ours logged no step 0: the variant's
+                                   "evaluated_by": "runs/lr4 step 0"}
     (tmp_path / "runs" / "rl" / "evals.jsonl").write_text(json.dumps({**row, "step": 0, "avg_all_rewards": 0.53}) + "\n")
+    (tmp_path / "rl_start.json").write_text(json.dumps({"rl_start": "sft", "sft_evaluated_by": "rl"}))
     assert write_summary(tmp_path, "models/x", "0", RL, rl_run="rl", variant_runs=["lr4"])["eval_sft"]["evaluated_by"] == "runs/rl step 0"
-    (tmp_path / "rl_start.json").write_text(json.dumps({"rl_start": "base"}))  # step 0 is then the base model's, not SFT's
-    with pytest.raises(SystemExit, match="holds no evaluation of its SFT checkpoint"):
-        write_summary(tmp_path, "models/x", "0", RL, rl_run="rl", variant_runs=["lr4"])
+    for started in ({"rl_start": "base", "sft_evaluated_by": "rl"},  # step 0 is then the base model's, not SFT's
+                    {"rl_start": "sft"}):  # no run named: none is taken for SFT's evaluation
+        (tmp_path / "rl_start.json").write_text(json.dumps(started))
+        with pytest.raises(SystemExit, match="holds no evaluation of its SFT checkpoint"):
+            write_summary(tmp_path, "models/x", "0", RL, rl_run="rl", variant_runs=["lr4"])
     for flags in (["--no-sft_eval"], ["--no-sft_eval", "--no-base_eval", "--no-recipe"]):
         result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "out"), *flags],
                                 cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
         assert result.returncode == 1 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
         assert result.stderr.strip().startswith("--no-sft_eval needs --no-base_eval"), result.stderr[-2000:]
+    result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--no-sft_eval",
+                             "--no-base_eval", "--no-recipe", "--variant", "penalty=--repetition_penalty 1.1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+    assert result.stderr.strip().startswith("--no-sft_eval: every run of this call changes how it evaluates"), result.stderr[-2000:]
 
 
 def test_gsm8k_call_that_would_start_rl_elsewhere_than_the_runs_in_its_out_is_refused(monkeypatch, tmp_path):
@@ -360,6 +386,28 @@ def test_gsm8k_summary_of_a_moved_out_keeps_its_sft_and_a_wrong_out_is_one_line(
     assert result.stderr.strip().endswith("holds no evaluation of its SFT checkpoint (eval_sft/metrics.json): not a bench_gsm8k folder, or one whose "
                                           "SFT was not evaluated; pass the --out a run wrote (nothing was changed)"), result.stderr[-2000:]
     assert not (tmp_path / "typo" / "summary.json").exists()
+    # RL from the base model: its evaluation is checked against the start rl_start.json records, not this call's --model
+    # (a placeholder, or the model folder renamed since), and the GPUs and settings stay the runs'; without the base's
+    # evaluation the call is one line and summary.json is left as it was (it was rewritten without it, then a KeyError)
+    base = {**metrics, "avg_all_rewards": 0.6, "model_path": str(tmp_path / "models" / "qwen15")}
+    (moved / "eval_base").mkdir()
+    (moved / "eval_base" / "metrics.json").write_text(json.dumps(base))
+    (moved / "rl_start.json").write_text(json.dumps({"rl_start": "base", "path": base["model_path"]}))
+    (moved / "summary.json").write_text(json.dumps({"gpus": "0,1", "rl_settings": {"learning_rate": 2e-6, "group_size": 8}}))
+    result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", "models/x", "--out", str(moved), "--summarize_only", "--tiny"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((moved / "summary.json").read_text())
+    assert summary["rl_start"] == "base" and summary["eval_base"]["avg_all_rewards"] == 0.6 and summary["gpus"] == "0,1"
+    assert summary["rl_settings"] == {"learning_rate": 2e-6, "group_size": 8} and "ours_evals" not in summary  # no run of ours there
+    (moved / "eval_base" / "metrics.json").unlink()
+    written = (moved / "summary.json").read_text()
+    result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", "models/x", "--out", str(moved), "--summarize_only"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip() == (f"--out {moved}: its RL started from the base model {base['model_path']}, and it holds no evaluation of that model "
+                                     "(eval_base/metrics.json): pass the --out a run wrote (nothing was changed)")
+    assert (moved / "summary.json").read_text() == written
 
 
 def test_grader_bench_quick_run_measures_every_section(tmp_path):
