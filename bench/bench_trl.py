@@ -93,7 +93,9 @@ def step_clock(steps_log: Path, timers: dict, optimizer_steps_per_round: int, ma
                stop: threading.Event | None = None):
     """The TrainerCallback that writes each optimizer step's row to `steps_log` as the step ends: its wall time, TRL's
     timers (`timers`, summed since the last step, then cleared), the GPU's peak memory, and the train reward as soon as
-    TRL logs it. It ends training at `max_train_minutes` (`time_box_ends`), or once `stop` is set (main sets it on
+    TRL logs it. A step's time runs from its begin to its end (generation included): what the Trainer does between
+    steps, its checkpoint saves above all, is left out of the steps and of the training time, as train_rl leaves out
+    its evaluations and saves. It ends training at `max_train_minutes` (`time_box_ends`), or once `stop` is set (main sets it on
     SIGTERM: bench_gsm8k's deadline), after the round's last optimizer step, saving that round when `save_at_end`."""
     stop = stop or threading.Event()
     import torch
@@ -103,24 +105,23 @@ def step_clock(steps_log: Path, timers: dict, optimizer_steps_per_round: int, ma
         """Each optimizer step's row, one JSON line per step."""
 
         def __init__(self):
-            self.began = self.last = None
+            self.step_began, self.trained = None, 0.0
             self.rewards = {}  # a reward logged before its step's row (not what TRL does now): written with the row
 
         def on_step_begin(self, *_, **__):
-            if self.began is None:
-                self.began = self.last = time.perf_counter()
+            self.step_began = time.perf_counter()
 
         def on_log(self, _args, state, _control, logs=None, **__):
             if logs and "reward" in logs and not add_reward(steps_log, state.global_step, logs["reward"]):
                 self.rewards[state.global_step] = logs["reward"]
 
         def on_step_end(self, _args, state, control, **__):
-            now = time.perf_counter()
-            row = {"step": state.global_step, "rollout_step": -(-state.global_step // optimizer_steps_per_round), "step_seconds": now - self.last, "elapsed_seconds": now - self.began,
+            seconds = time.perf_counter() - self.step_began
+            self.trained += seconds
+            row = {"step": state.global_step, "rollout_step": -(-state.global_step // optimizer_steps_per_round), "step_seconds": seconds, "elapsed_seconds": self.trained,
                    "generate_seconds": timers.get("vLLM.generate", timers.get("transformers.generate")), "sync_seconds": timers.get("sync_weights"),
                    "timers": dict(timers), "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
                    "reward": self.rewards.pop(state.global_step, None)}
-            self.last = now
             timers.clear()
             with open(steps_log, "a") as handle:
                 handle.write(json.dumps(row) + "\n")

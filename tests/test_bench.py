@@ -465,6 +465,29 @@ def test_trl_rewards_reach_the_steps_log_as_they_are_logged_not_only_at_the_end_
     assert read_jsonl(steps_log)[-1]["reward"] == 0.5
 
 
+def test_trl_training_time_leaves_out_what_the_trainer_does_between_steps(monkeypatch, tmp_path):
+    """A step ran from the previous step's end, so TRL's checkpoint saves (after on_step_end) were counted in the next
+    step and in its training minutes and time box, where ours leaves its evaluations and saves out."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    import time
+    from types import SimpleNamespace
+
+    from bench_trl import step_clock
+
+    from alignment.plot import read_jsonl
+
+    clock = step_clock(tmp_path / "steps.jsonl", {}, optimizer_steps_per_round=1, max_train_minutes=None, max_steps=100, save_at_end=True)
+    for step in (1, 2, 3):
+        state, control = SimpleNamespace(global_step=step), SimpleNamespace(should_training_stop=False, should_save=False)
+        clock.on_step_begin(None, state, control)
+        time.sleep(0.05)  # the step: generation, scoring, update
+        clock.on_step_end(None, state, control)
+        time.sleep(0.5 if step == 1 else 0.0)  # a checkpoint save after step 1
+    rows = read_jsonl(tmp_path / "steps.jsonl")
+    assert all(0.05 <= row["step_seconds"] < 0.3 for row in rows), rows
+    assert rows[-1]["elapsed_seconds"] == pytest.approx(sum(row["step_seconds"] for row in rows)) and rows[-1]["elapsed_seconds"] < 0.5
+
+
 def test_trl_stopped_by_the_deadline_ends_after_its_round_and_saves_it(monkeypatch, tmp_path):
     """bench_gsm8k's deadline sends SIGTERM; bench_trl died inside its round and its last rounds' weights were never
     evaluated (the H100 run of RESULTS lost rounds 21-25 so). Now the signal ends training after the round's last
