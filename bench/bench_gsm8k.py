@@ -47,6 +47,8 @@ from pathlib import Path
 from bench_trl import earlier_run
 from common import REPO_ROOT
 
+from alignment.args import _non_negative_int as non_negative_int
+from alignment.args import _positive_int as positive_int
 from alignment.checkpoint import read_manifest, same_path, start_model_name
 from alignment.plot import read_jsonl, training_minutes
 
@@ -177,11 +179,11 @@ def main():
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a few examples, steps and tokens: checks the script, measures nothing")
     parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True, help="run TRL beside ours (needs `trl` installed)")
-    parser.add_argument("--rl_steps", type=int, default=100, help="our RL steps (the recipe's 100-step run was still rising at its end: RESULTS)")
-    parser.add_argument("--evaluate_freq", type=int, default=20, help="whole-test-split evaluations every N steps (TRL's --trl_save_every: the same steps)")
-    parser.add_argument("--trl_steps", type=int, default=60, help="TRL's rollout steps (generation rounds)")
-    parser.add_argument("--trl_save_every", type=int, default=20, help="TRL checkpoints evaluated by alignment.evaluate every N rollout steps")
-    parser.add_argument("--trl_microbatch", type=int, default=8, help="TRL completions per forward/backward (32 ran out of memory on an H200 beside its engine)")
+    parser.add_argument("--rl_steps", type=positive_int, default=100, help="our RL steps (the recipe's 100-step run was still rising at its end: RESULTS)")
+    parser.add_argument("--evaluate_freq", type=non_negative_int, default=20, help="whole-test-split evaluations every N steps (TRL's --trl_save_every: the same steps)")
+    parser.add_argument("--trl_steps", type=positive_int, default=60, help="TRL's rollout steps (generation rounds)")
+    parser.add_argument("--trl_save_every", type=non_negative_int, default=20, help="TRL checkpoints evaluated by alignment.evaluate every N rollout steps (0: only the last, with --rl_minutes)")
+    parser.add_argument("--trl_microbatch", type=positive_int, default=8, help="TRL completions per forward/backward (32 ran out of memory on an H200 beside its engine)")
     parser.add_argument("--rl_deadline_minutes", type=float, default=None,
                         help="stop both RL runs this many minutes after the script started (what they logged by then is reported)")
     parser.add_argument("--rl_minutes", type=float, default=None,

@@ -47,6 +47,9 @@ from pathlib import Path
 
 from common import REPO_ROOT, build_checkpoint, gsm8k_questions, write_result
 
+from alignment.args import _non_negative_int as non_negative_int
+from alignment.args import _positive_int as positive_int
+
 
 def earlier_run(out: Path) -> list[str]:
     """What a GSM8K run left in `out` (its checkpoints, its steps log): a new run there would
@@ -141,25 +144,25 @@ def main():
     parser.add_argument("--workload", choices=["w1", "gsm8k"], default="w1")
     parser.add_argument("--model", default=None, help="gsm8k: the start checkpoint (an HF folder)")
     parser.add_argument("--data_dir", default=str(REPO_ROOT / "data" / "gsm8k"))
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--save_every", type=int, default=0, help="gsm8k: save a checkpoint every N steps (0 = none)")
+    parser.add_argument("--steps", type=positive_int, default=6)
+    parser.add_argument("--save_every", type=non_negative_int, default=0, help="gsm8k: save a checkpoint every N steps (0 = none)")
     parser.add_argument("--max_train_minutes", type=float, default=None,
                         help="gsm8k: end after the step whose training time reaches this many minutes, and save its checkpoint (train_rl's flag)")
     parser.add_argument("--tiny", action="store_true", help="small model or batch, short completions, no vLLM: a smoke run")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for the smoke run")
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench"))
     gsm8k = parser.add_argument_group("gsm8k settings (bench_gsm8k.py passes the ones train_rl gets)")
-    gsm8k.add_argument("--prompts_per_step", type=int, default=16)
-    gsm8k.add_argument("--group_size", type=int, default=8)
-    gsm8k.add_argument("--microbatch", type=int, default=32, help="completions per forward/backward")
-    gsm8k.add_argument("--max_tokens", type=int, default=512)
-    gsm8k.add_argument("--min_tokens", type=int, default=4)
+    gsm8k.add_argument("--prompts_per_step", type=positive_int, default=16)
+    gsm8k.add_argument("--group_size", type=positive_int, default=8)
+    gsm8k.add_argument("--microbatch", type=positive_int, default=32, help="completions per forward/backward")
+    gsm8k.add_argument("--max_tokens", type=positive_int, default=512)
+    gsm8k.add_argument("--min_tokens", type=non_negative_int, default=4)
     gsm8k.add_argument("--temperature", type=float, default=1.0)
     gsm8k.add_argument("--top_p", type=float, default=1.0)
     gsm8k.add_argument("--repetition_penalty", type=float, default=1.1)
     gsm8k.add_argument("--learning_rate", type=float, default=3e-6)
     gsm8k.add_argument("--adam_beta2", type=float, default=0.95)
-    gsm8k.add_argument("--train_batch", type=int, default=None, help="completions per optimizer step (default: all of a generation round)")
+    gsm8k.add_argument("--train_batch", type=positive_int, default=None, help="completions per optimizer step (default: all of a generation round)")
     gsm8k.add_argument("--epsilon", type=float, default=0.2, help="lower clip range (train_rl --cliprange)")
     gsm8k.add_argument("--epsilon_high", type=float, default=None, help="upper clip range (train_rl --cliprange_high); default --epsilon")
     gsm8k.add_argument("--loss_type", choices=["grpo", "dr_grpo"], default="grpo", help="grpo: per-sequence mean; dr_grpo: sum / max_tokens")

@@ -232,6 +232,18 @@ def test_trl_refuses_an_out_that_holds_an_earlier_run_before_any_work(tmp_path):
         assert "Traceback" not in result.stderr, result.stderr[-2000:]
 
 
+def test_bench_counts_that_cannot_be_zero_are_refused_in_one_line_before_any_work(tmp_path):
+    """--trl_microbatch 0 reached TRL only after SFT and our whole RL run, as a ZeroDivisionError traceback, and the
+    summary then had no TRL; bench_trl's own --microbatch 0 or --group_size -8 alike."""
+    for script, flags, named in (("bench_gsm8k.py", ["--model", "x", "--trl_microbatch", "0"], "--trl_microbatch"),
+                                 ("bench_gsm8k.py", ["--model", "x", "--rl_steps", "-1"], "--rl_steps"),
+                                 ("bench_trl.py", ["--workload", "gsm8k", "--microbatch", "0"], "--microbatch"),
+                                 ("bench_trl.py", ["--workload", "gsm8k", "--group_size=-8"], "--group_size")):
+        result = subprocess.run([sys.executable, f"bench/{script}", "--out", str(tmp_path / "out"), *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+        assert result.stderr.strip().splitlines()[-1].endswith(f"argument {named}: must be a positive integer, got {flags[-1].split('=')[-1]}"), result.stderr
+
+
 def test_a_trl_w1_run_keeps_a_gsm8k_runs_steps_log_in_the_same_out(monkeypatch, tmp_path):
     """W1 and GSM8K share bench_trl's default --out: W1 emptied <out>/steps.jsonl, the GSM8K run's log there."""
     monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
