@@ -385,7 +385,7 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "r
                 print(f"{out / stage} evaluated {metrics['model_path']}, not {evaluated}: left out of the summary", flush=True)
                 continue
             summary[stage] = {key: metrics[key] for key in ("avg_all_rewards", "format_reward", "mean_response_tokens", "num_examples")}
-    if "eval_sft" not in summary and (step_zero := _step_zero(out)):  # --no-sft_eval
+    if "eval_sft" not in summary and (step_zero := _step_zero(out, started)):  # --no-sft_eval
         summary["eval_sft"] = step_zero
     if "eval_sft" not in summary:  # what every curve starts from
         raise SystemExit(f"--out {out} holds no evaluation of its SFT checkpoint (eval_sft/metrics.json): not a bench_gsm8k folder, or one "
@@ -408,10 +408,9 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "r
     return summary
 
 
-def _step_zero(out: Path) -> dict | None:
-    """SFT's evaluation as the run rl_start.json names (`sft_evaluated_by`: one that evaluates as the recipe does) logged
-    it at step 0, when RL started from SFT: --no-sft_eval's stand-in for eval_sft."""
-    started = json.loads((out / "rl_start.json").read_text()) if (out / "rl_start.json").is_file() else {}
+def _step_zero(out: Path, started: dict) -> dict | None:
+    """SFT's evaluation as the run `started` (rl_start.json) names (`sft_evaluated_by`: one that evaluates as the recipe
+    does) logged it at step 0, when RL started from SFT: --no-sft_eval's stand-in for eval_sft."""
     if started.get("rl_start") != "sft" or not started.get("sft_evaluated_by"):
         return None
     run = started["sft_evaluated_by"]

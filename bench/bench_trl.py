@@ -37,7 +37,6 @@ row as its step ends (a run stopped early keeps them); the median of steps 2..N 
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import threading
@@ -49,6 +48,7 @@ from common import REPO_ROOT, build_checkpoint, gsm8k_questions, write_result
 
 from alignment.args import _non_negative_int as non_negative_int
 from alignment.args import _positive_int as positive_int
+from alignment.evaluate import write_jsonl
 
 
 def earlier_run(out: Path) -> list[str]:
@@ -78,9 +78,7 @@ def add_reward(steps_log: Path, step: int, reward: float) -> bool:
         if row["step"] == step:
             row["reward"], found = reward, True
     if found:
-        partial = steps_log.with_name(steps_log.name + ".partial")
-        partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        os.replace(partial, steps_log)
+        write_jsonl(steps_log, rows)
     return found
 
 
