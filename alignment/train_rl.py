@@ -470,6 +470,11 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
         print(f"--resume: no training state in {args.state_dir}; starting from the SFT checkpoint")
     if args.resume and has_training_state(args.state_dir):
         saved = read_manifest(args.state_dir).get("run", {})
+        # --checkpoint_path may change on resume, but never onto another run's result: the save would replace it
+        held = ((read_manifest(args.checkpoint_path) or {}).get("run") or {}).get("run_id") if has_weights(args.checkpoint_path) else None
+        if held and held != saved.get("run_id"):
+            raise UserError(f"--resume --checkpoint_path {args.checkpoint_path} holds the checkpoint of another run ({held[:8]}), which this run's "
+                            f"saves would replace; pass this run's own --checkpoint_path {saved.get('flags', {}).get('checkpoint_path', '')}".rstrip())
         for line in check_resume_flags(saved, args, train_data_sha256, start_sha256):
             print(f"resume: {line} takes effect")
         saved_step = state_step(args.state_dir)

@@ -155,6 +155,26 @@ def test_resume_refuses_changed_training_data(tmp_path, monkeypatch):
         train_rl.main(flags(task, "data", "--save_state_every", "1", "--resume"))
 
 
+def test_resume_never_saves_over_another_runs_finished_checkpoint(pipeline, monkeypatch):
+    """--checkpoint_path may change on resume; a job script that kept a finished run's path (with a shared
+    --state_dir) used to resume the other run into it and replace that result with no word."""
+    state = pipeline.root / "shared_state"
+    train_rl.main(flags(pipeline, "finished_first", "--state_dir", str(state)))
+    finished = pipeline.root / "finished_first" / "rl"
+    before = snapshot(finished)
+    second = ("--save_state_every", "1", "--state_dir", str(state), "--learning_rate", "5e-3")
+    run_until_a_state_is_saved(monkeypatch, flags(pipeline, "resumed_second", *second))
+    held = read_manifest(finished)["run"]["run_id"][:8]
+    with pytest.raises(UserError, match=rf"^--resume --checkpoint_path {re.escape(str(finished))} holds the checkpoint of another run \({held}\), "
+                                        rf"which this run's saves would replace; pass this run's own --checkpoint_path "
+                                        rf"{re.escape(str(pipeline.root / 'resumed_second' / 'rl'))}$"):
+        train_rl.main(flags(pipeline, "resumed_second", *second, "--resume", checkpoint_path=finished))
+    assert snapshot(finished) == before and read_manifest(state)["step"] == 1
+    train_rl.main(flags(pipeline, "resumed_second", *second, "--resume"))  # its own path: it resumes and finishes
+    assert [s["step"] for s in steps_log(pipeline, "resumed_second")] == [1, 2, 3]
+    assert snapshot(finished) == before
+
+
 def test_train_sft_again_keeps_the_start_of_an_unfinished_rl_run(tmp_path, monkeypatch):
     """An RL run stopped with a training state, then train_sft rerun into the SFT checkpoint it started from:
     the checkpoint was replaced, and `train_rl --resume` then refused (another start checkpoint) with the old one gone."""
