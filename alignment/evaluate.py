@@ -33,7 +33,7 @@ from pathlib import Path
 from alignment.args import build_eval_parser, check_checkpoint, parse_eval_args
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, log_folder_run_id, read_manifest, run_logs,
                                   same_path, sft_run_in, start_over)
-from alignment.data import Gsm8kDataset
+from alignment.data import Gsm8kDataset, data_fingerprint
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
 from alignment.errors import UserError, run_cli
@@ -341,18 +341,21 @@ def _child_env() -> dict:
 
 
 # what an evaluation is of, as metrics.json records it: another value makes it another evaluation
-# (metrics.json's key: the flag), "num_examples" being the examples graded
-EVALUATION_SETUP = {"split": "split", "num_examples": "num_examples", "temperature": "temperature", "top_p": "top_p", "min_tokens": "min_tokens",
-                    "max_tokens": "max_tokens", "repetition_penalty": "repetition_penalty", "pass_at_k_samples": "samples"}
+# (metrics.json's key: the flag), "num_examples" being the examples graded and "data_sha256" the split
+# file's SHA-256 (another test set of as many rows, or an edited one, is another evaluation too)
+EVALUATION_SETUP = {"split": "split", "num_examples": "num_examples", "data_sha256": "data_dir", "temperature": "temperature", "top_p": "top_p",
+                    "min_tokens": "min_tokens", "max_tokens": "max_tokens", "repetition_penalty": "repetition_penalty", "pass_at_k_samples": "samples"}
 
 
 def evaluation_setup(args, num_examples: int, prefix: str = "") -> dict:
     """metrics.json's record of what was evaluated; `prefix` "eval_" reads train_rl's --eval_* flags (its penalty is the rollouts')."""
-    return {key: num_examples if key == "num_examples" else getattr(args, _flag(flag, prefix)) for key, flag in EVALUATION_SETUP.items()}
+    split = getattr(args, _flag("split", prefix))
+    return {key: num_examples if key == "num_examples" else data_fingerprint(args.data_dir, split) if key == "data_sha256"
+            else getattr(args, _flag(flag, prefix)) for key, flag in EVALUATION_SETUP.items()}
 
 
 def _flag(flag: str, prefix: str) -> str:
-    return flag if flag == "repetition_penalty" else prefix + flag
+    return flag if flag in ("repetition_penalty", "data_dir") else prefix + flag
 
 
 def check_replaceable(output_dir, model_path, args, num_examples: int, default: bool) -> None:
@@ -379,8 +382,9 @@ def check_replaceable(output_dir, model_path, args, num_examples: int, default: 
 
 def _setup_text(values: dict, changed: list[str], prefix: str = "") -> str:
     """'<N> <split> examples' and the other settings that differ, as '--flag value'."""
-    shown = [f"--{_flag(EVALUATION_SETUP[key], prefix)} {values[key]}" for key in changed if key not in ("split", "num_examples")]
-    return ", ".join([f"{values['num_examples']} {values['split']} examples", *shown])
+    shown = [f"--{_flag(EVALUATION_SETUP[key], prefix)} {values[key]}" for key in changed if key not in ("split", "num_examples", "data_sha256")]
+    data = f" of a {values['split']}.jsonl with SHA-256 {values['data_sha256'][:12]}" if "data_sha256" in changed and "split" not in changed else ""
+    return ", ".join([f"{values['num_examples']} {values['split']} examples{data}", *shown])
 
 
 def _evaluate_group(args, dataset, models, output_dirs) -> dict | list[dict]:

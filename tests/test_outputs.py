@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from alignment import checkpoint, evaluate, train_rl, train_sft
-from alignment.checkpoint import MANIFEST_NAME, OutputLock, has_training_state, read_manifest, verify_manifest, write_atomically
+from alignment.checkpoint import MANIFEST_NAME, OutputLock, file_sha256, has_training_state, read_manifest, verify_manifest, write_atomically
 from alignment.errors import UserError, run_cli
 from conftest import REPO_ROOT, make_tiny_task, steps_log, train_rl_flags
 
@@ -868,7 +868,17 @@ def test_evaluate_keeps_a_whole_split_evaluation_from_a_quick_check_of_the_same_
     folder = pipeline.root / "runs" / "eval" / "checked"
     written = snapshot(folder)
     assert json.loads(written["metrics.json"])["num_examples"] == 8
+    # another test set of as many rows (GSM-Hard has GSM8K's 1,319), here one answer changed: another evaluation
+    other_data = pipeline.root / "other_data"
+    shutil.copytree(pipeline.data, other_data)
+    rows = (other_data / "test.jsonl").read_text().splitlines()
+    first = json.loads(rows[0])
+    rows[0] = json.dumps({**first, "answer": first["answer"].rsplit("####", 1)[0] + "#### 12345"})
+    (other_data / "test.jsonl").write_text("\n".join(rows) + "\n")
+    ours, theirs = (file_sha256(data / "test.jsonl")[:12] for data in (pipeline.data, other_data))
     for other, before, setup in ((["--num_examples", "2", "--max_tokens", "4"], "8 test examples", "2 test examples"),
+                                 (["--max_tokens", "4", "--data_dir", str(other_data)], f"8 test examples of a test.jsonl with SHA-256 {ours}",
+                                  f"8 test examples of a test.jsonl with SHA-256 {theirs}"),
                                  (["--max_tokens", "6"], "8 test examples, --max_tokens 4", "8 test examples, --max_tokens 6"),
                                  (["--split", "train", "--num_examples", "8", "--max_tokens", "4"], "8 test examples", "8 train examples"),
                                  (["--max_tokens", "4", "--repetition_penalty", "1.0"], "8 test examples, --repetition_penalty 1.1",
