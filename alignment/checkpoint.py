@@ -645,18 +645,52 @@ def state_step(state_dir) -> int | None:
     return manifest.get("step") if manifest else None
 
 
+def _runs_folder(checkpoint_path) -> Path:
+    """Where the RL runs started from `checkpoint_path` note their training states: a hidden folder beside it."""
+    path = Path(checkpoint_path).resolve()
+    return path.parent / f".{path.name}.alignment-runs"
+
+
+def record_run_from(checkpoint_path, run_id: str, state_dir) -> None:
+    """Note beside the start checkpoint (one this tool wrote) that run `run_id` keeps its training state in
+    `state_dir`, so that `unfinished_runs_from` finds it wherever the run's folders are. Best effort: a parent
+    folder that cannot be written is one train_sft cannot replace the checkpoint in either."""
+    if read_manifest(checkpoint_path) is None:
+        return
+    try:
+        _runs_folder(checkpoint_path).mkdir(exist_ok=True)
+        (_runs_folder(checkpoint_path) / f"{run_id}.json").write_text(json.dumps({"state_dir": str(Path(state_dir).resolve())}) + "\n")
+    except OSError:
+        pass
+
+
+def forget_run_from(checkpoint_path, run_id: str) -> None:
+    """The run has finished (its training state removed): its note beside the start checkpoint goes too."""
+    try:
+        (_runs_folder(checkpoint_path) / f"{run_id}.json").unlink(missing_ok=True)
+        _runs_folder(checkpoint_path).rmdir()  # only when no other run's note is left
+    except OSError:
+        pass
+
+
 def unfinished_runs_from(checkpoint_path) -> list[tuple[Path, int | None]]:
-    """The training states beside `checkpoint_path` (folders of its parent, where train_rl's
-    default `<checkpoint_path>.state` lies) of unfinished RL runs that started from it: their
-    run record's start-checkpoint fingerprint is this folder's. Each as (state folder, its step).
-    Replacing the checkpoint would leave those runs unable to resume (--resume refuses another
-    start checkpoint: the KL reference would be another model)."""
+    """The training states of unfinished RL runs that started from `checkpoint_path`: those beside it
+    (folders of its parent, where train_rl's default `<checkpoint_path>.state` lies) and those its runs
+    noted (`record_run_from`) wherever they keep them, whose run record's start-checkpoint fingerprint is
+    this folder's. Each as (state folder, its step). Replacing the checkpoint would leave those runs unable
+    to resume (--resume refuses another start checkpoint: the KL reference would be another model)."""
     path = Path(checkpoint_path).absolute()
     if read_manifest(path) is None or not path.parent.is_dir():
         return []
+    candidates = [folder for folder in sorted(path.parent.iterdir()) if folder.is_dir() and folder != path]
+    for note in sorted(_runs_folder(path).glob("*.json")):
+        try:
+            candidates.append(Path(json.loads(note.read_text())["state_dir"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a note half written or edited: the states beside the checkpoint are still checked
     fingerprint, found = None, []
-    for folder in sorted(path.parent.iterdir()):
-        if folder.is_dir() and folder != path and has_training_state(folder):
+    for folder in dict.fromkeys(candidates):
+        if folder.is_dir() and has_training_state(folder):
             started_from = (read_manifest(folder).get("run") or {}).get("start_checkpoint_sha256")
             fingerprint = fingerprint or folder_fingerprint(path)
             if started_from == fingerprint:

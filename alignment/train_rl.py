@@ -64,8 +64,8 @@ from torch.utils.tensorboard import SummaryWriter
 from alignment import distributed
 from alignment.args import (build_sft_parser, check_checkpoint, check_checkpoint_flags, check_checkpoint_inputs, check_resume_flags, has_weights, model_context_length, parse_rl_args, read_model_config,
                             resolve_speed_flags, run_record)
-from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, folder_fingerprint,
-                                  has_training_state, load_training_state, read_manifest, real_output_path, recover_checkpoint, remove_output, save_model_atomically,
+from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, folder_fingerprint, forget_run_from,
+                                  has_training_state, load_training_state, read_manifest, real_output_path, recover_checkpoint, record_run_from, remove_output, save_model_atomically,
                                   save_training_state, start_over, state_step)
 from alignment.data import Gsm8kDataset, data_fingerprint, split_path
 from alignment.devices import format_role_table, one_device_roles, resolve_dtype, resolve_role_devices
@@ -361,6 +361,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     if stopping:  # a signal in the last step: the run's result is kept, its state no longer needed
         if ranks.is_main:
             remove_output(args.state_dir, "training_state", run_id=run["run_id"])
+            forget_run_from(base_model_checkpoint_path, run["run_id"])
         log.close()
         ranks.close()
         raise RunStopped(f"stopped by {stop.name} in the last step ({total_steps}): the trained policy is saved to {args.checkpoint_path}; "
@@ -371,6 +372,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         write_jsonl(run_dir / "final_eval_samples.jsonl", eval_metrics.get("samples", []))
         write_json(run_dir / "final_eval_metrics.json", {**drop_samples(eval_metrics), "step": total_steps, "skipped_steps": progress["skipped_steps"]})
         remove_output(args.state_dir, "training_state", run_id=run["run_id"])  # finished: the final checkpoint is the result
+        forget_run_from(base_model_checkpoint_path, run["run_id"])
     for closing in (log, sampler, ranks):
         closing.close()
     return drop_samples(eval_metrics)
@@ -486,6 +488,7 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
     with OutputLock(locks if writes else []), StopOnSignal() as stop:
         if writes:
             claim_log_folder(run_dir, "--log_dir/--run_name", run["run_id"], resuming=args.resume and has_training_state(args.state_dir))
+            record_run_from(base_model_checkpoint_path, run["run_id"], args.state_dir)  # train_sft keeps this start while the run is unfinished
         try:
             return train(args, base_model_checkpoint_path, run, stop)
         except SamplerProcessError as error:

@@ -202,6 +202,32 @@ def test_train_sft_again_keeps_the_start_of_an_unfinished_rl_run(tmp_path, monke
     train_sft.main(sft_argv("sft_third"))
 
 
+def test_train_sft_again_keeps_the_start_of_an_unfinished_rl_run_kept_in_another_folder(tmp_path, monkeypatch):
+    """The RL run's checkpoint and state in experiments/, the SFT in checkpoints/: train_sft looked for unfinished
+    runs only beside the checkpoint, replaced it, and the run could never resume."""
+    task = make_tiny_task(tmp_path, num_train=16, num_test=4, seed=7)
+    sft = tmp_path / "checkpoints" / "sft"
+
+    def sft_argv(name, learning_rate):
+        return ["--model", str(task.sft), "--checkpoint_path", str(sft), "--data_dir", str(task.data), "--log_dir", str(tmp_path / "runs"), "--run_name", name,
+                "--batch_size", "16", "--microbatch_size", "16", "--max_steps", "1", "--eval_num_examples", "2", "--eval_max_tokens", "4", "--learning_rate", learning_rate]
+
+    train_sft.main(sft_argv("sft", "1e-4"))
+    rl = tmp_path / "experiments" / "rl_lr3e-3"
+    rl_argv = flags(task, "rl", "--save_state_every", "1", "--sft_checkpoint_path", str(sft), checkpoint_path=rl)
+    run_until_a_state_is_saved(monkeypatch, rl_argv)
+    before = snapshot(sft)
+    with pytest.raises(UserError, match=rf"^--checkpoint_path {re.escape(str(sft))} is the start of an unfinished RL run \(its training state "
+                                        rf"{re.escape(str(rl))}.state, step 1\)"):
+        train_sft.main(sft_argv("sft_other_lr", "3e-4"))  # another SFT: the run's start would be gone
+    assert snapshot(sft) == before
+    train_rl.main([*rl_argv, "--resume"])
+    assert [s["step"] for s in steps_log(task, "rl")] == [1, 2, 3]
+    assert not (sft.parent / ".sft.alignment-runs").exists()  # the finished run's note is gone with its state
+    train_sft.main(sft_argv("sft_other_lr", "3e-4"))  # nothing unfinished starts from it: replaced
+    assert snapshot(sft) != before
+
+
 # ------------------------------------------------------------- 4. one writer
 
 
