@@ -657,18 +657,20 @@ def record_run_from(checkpoint_path, run_id: str, state_dir) -> None:
     folder that cannot be written is one train_sft cannot replace the checkpoint in either."""
     if read_manifest(checkpoint_path) is None:
         return
+    notes = _runs_folder(checkpoint_path)
     try:
-        _runs_folder(checkpoint_path).mkdir(exist_ok=True)
-        (_runs_folder(checkpoint_path) / f"{run_id}.json").write_text(json.dumps({"state_dir": str(Path(state_dir).resolve())}) + "\n")
+        notes.mkdir(exist_ok=True)
+        (notes / f"{run_id}.json").write_text(json.dumps({"state_dir": str(Path(state_dir).resolve())}) + "\n")
     except OSError:
         pass
 
 
 def forget_run_from(checkpoint_path, run_id: str) -> None:
     """The run has finished (its training state removed): its note beside the start checkpoint goes too."""
+    notes = _runs_folder(checkpoint_path)
     try:
-        (_runs_folder(checkpoint_path) / f"{run_id}.json").unlink(missing_ok=True)
-        _runs_folder(checkpoint_path).rmdir()  # only when no other run's note is left
+        (notes / f"{run_id}.json").unlink(missing_ok=True)
+        notes.rmdir()  # only when no other run's note is left
     except OSError:
         pass
 

@@ -229,6 +229,12 @@ def save_state(args, ranks, model, tokenizer, optimizer, scheduler, counters: di
     ranks.barrier()
 
 
+def _drop_training_state(args, base_model_checkpoint_path, run_id: str) -> None:
+    """The run's result is kept: its training state goes, and with it the note that keeps train_sft off its start."""
+    remove_output(args.state_dir, "training_state", run_id=run_id)
+    forget_run_from(base_model_checkpoint_path, run_id)
+
+
 def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> dict:
     """The RL run (main() checked its paths and flags, and holds the locks and the signal handler `stop`)."""
     ranks = distributed.setup(args)  # one process (seed), or a torchrun launch with FSDP2
@@ -360,8 +366,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         say(f"saved RL checkpoint to {args.checkpoint_path}")
     if stopping:  # a signal in the last step: the run's result is kept, its state no longer needed
         if ranks.is_main:
-            remove_output(args.state_dir, "training_state", run_id=run["run_id"])
-            forget_run_from(base_model_checkpoint_path, run["run_id"])
+            _drop_training_state(args, base_model_checkpoint_path, run["run_id"])
         log.close()
         ranks.close()
         raise RunStopped(f"stopped by {stop.name} in the last step ({total_steps}): the trained policy is saved to {args.checkpoint_path}; "
@@ -371,8 +376,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     if ranks.is_main:
         write_jsonl(run_dir / "final_eval_samples.jsonl", eval_metrics.get("samples", []))
         write_json(run_dir / "final_eval_metrics.json", {**drop_samples(eval_metrics), "step": total_steps, "skipped_steps": progress["skipped_steps"]})
-        remove_output(args.state_dir, "training_state", run_id=run["run_id"])  # finished: the final checkpoint is the result
-        forget_run_from(base_model_checkpoint_path, run["run_id"])
+        _drop_training_state(args, base_model_checkpoint_path, run["run_id"])  # finished: the final checkpoint is the result
     for closing in (log, sampler, ranks):
         closing.close()
     return drop_samples(eval_metrics)
