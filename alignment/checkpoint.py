@@ -690,8 +690,11 @@ def unfinished_runs_from(checkpoint_path) -> list[tuple[Path, int | None]]:
             candidates.append(Path(json.loads(note.read_text())["state_dir"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a note half written or edited: the states beside the checkpoint are still checked
-    fingerprint, found = None, []
-    for folder in dict.fromkeys(candidates):
+    fingerprint, found, seen = None, [], set()
+    for folder in candidates:
+        if folder.resolve() in seen:  # a state both beside the checkpoint and noted, perhaps reached through a link
+            continue
+        seen.add(folder.resolve())
         if folder.is_dir() and has_training_state(folder):
             started_from = (read_manifest(folder).get("run") or {}).get("start_checkpoint_sha256")
             fingerprint = fingerprint or folder_fingerprint(path)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from alignment import checkpoint, evaluate, train_rl, train_sft
-from alignment.checkpoint import MANIFEST_NAME, OutputLock, file_sha256, has_training_state, read_manifest, verify_manifest, write_atomically
+from alignment.checkpoint import MANIFEST_NAME, OutputLock, file_sha256, has_training_state, read_manifest, unfinished_runs_from, verify_manifest, write_atomically
 from alignment.errors import UserError, run_cli
 from conftest import REPO_ROOT, make_tiny_task, steps_log, train_rl_flags
 
@@ -226,6 +226,21 @@ def test_train_sft_again_keeps_the_start_of_an_unfinished_rl_run_kept_in_another
     assert not (sft.parent / ".sft.alignment-runs").exists()  # the finished run's note is gone with its state
     train_sft.main(sft_argv("sft_other_lr", "3e-4"))  # nothing unfinished starts from it: replaced
     assert snapshot(sft) != before
+
+
+def test_an_unfinished_run_reached_through_a_link_is_listed_once(tmp_path, monkeypatch):
+    """The state beside the checkpoint is found by its path as given, the run's note holds the resolved one: through a
+    linked folder the two spellings of one state were listed as two unfinished runs."""
+    real = tmp_path / "real"
+    task = make_tiny_task(real, num_train=16, num_test=4, seed=8)
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    sft, rl = tmp_path / "link" / "checkpoints" / "sft", tmp_path / "link" / "checkpoints" / "rl"
+    train_sft.main(["--model", str(task.sft), "--checkpoint_path", str(sft), "--data_dir", str(task.data), "--log_dir", str(real / "runs"),
+                    "--batch_size", "16", "--microbatch_size", "16", "--max_steps", "1", "--eval_num_examples", "2", "--eval_max_tokens", "4"])
+    run_until_a_state_is_saved(monkeypatch, flags(task, "rl", "--save_state_every", "1", "--sft_checkpoint_path", str(sft), checkpoint_path=rl))
+    state = (real / "checkpoints" / "rl.state").resolve()
+    for start in (sft, real / "checkpoints" / "sft"):  # either spelling of the start finds the one state, once
+        assert [(folder.resolve(), step) for folder, step in unfinished_runs_from(start)] == [(state, 1)]
 
 
 # ------------------------------------------------------------- 4. one writer
