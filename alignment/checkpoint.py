@@ -692,10 +692,12 @@ def unfinished_runs_from(checkpoint_path) -> list[tuple[Path, int | None]]:
             continue  # a note half written or edited: the states beside the checkpoint are still checked
     fingerprint, found, seen = None, [], set()
     for folder in candidates:
-        if folder.resolve() in seen:  # a state both beside the checkpoint and noted, perhaps reached through a link
+        # a state both beside the checkpoint and noted, perhaps reached through a link, once; not a folder (a link
+        # that loops among them) is skipped before it is resolved
+        if not folder.is_dir() or folder.resolve() in seen:
             continue
         seen.add(folder.resolve())
-        if folder.is_dir() and has_training_state(folder):
+        if has_training_state(folder):
             started_from = (read_manifest(folder).get("run") or {}).get("start_checkpoint_sha256")
             fingerprint = fingerprint or folder_fingerprint(path)
             if started_from == fingerprint:

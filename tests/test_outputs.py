@@ -230,7 +230,7 @@ def test_train_sft_again_keeps_the_start_of_an_unfinished_rl_run_kept_in_another
 
 def test_an_unfinished_run_reached_through_a_link_is_listed_once(tmp_path, monkeypatch):
     """The state beside the checkpoint is found by its path as given, the run's note holds the resolved one: through a
-    linked folder the two spellings of one state were listed as two unfinished runs."""
+    linked folder the two spellings of one state were listed as two unfinished runs. A link that loops beside them is skipped."""
     real = tmp_path / "real"
     task = make_tiny_task(real, num_train=16, num_test=4, seed=8)
     (tmp_path / "link").symlink_to(real, target_is_directory=True)
@@ -238,6 +238,8 @@ def test_an_unfinished_run_reached_through_a_link_is_listed_once(tmp_path, monke
     train_sft.main(["--model", str(task.sft), "--checkpoint_path", str(sft), "--data_dir", str(task.data), "--log_dir", str(real / "runs"),
                     "--batch_size", "16", "--microbatch_size", "16", "--max_steps", "1", "--eval_num_examples", "2", "--eval_max_tokens", "4"])
     run_until_a_state_is_saved(monkeypatch, flags(task, "rl", "--save_state_every", "1", "--sft_checkpoint_path", str(sft), checkpoint_path=rl))
+    (real / "checkpoints" / "loop").symlink_to("loop")  # a link that loops, beside them and in a note edited by hand: skipped, not resolved
+    (real / "checkpoints" / ".sft.alignment-runs" / "edited.json").write_text(json.dumps({"state_dir": str(real / "checkpoints" / "loop")}))
     state = (real / "checkpoints" / "rl.state").resolve()
     for start in (sft, real / "checkpoints" / "sft"):  # either spelling of the start finds the one state, once
         assert [(folder.resolve(), step) for folder, step in unfinished_runs_from(start)] == [(state, 1)]
