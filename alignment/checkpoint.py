@@ -684,7 +684,7 @@ def unfinished_runs_from(checkpoint_path) -> list[tuple[Path, int | None]]:
     path = Path(checkpoint_path).absolute()
     if read_manifest(path) is None or not path.parent.is_dir():
         return []
-    candidates = [folder for folder in sorted(path.parent.iterdir()) if folder.is_dir() and folder != path]
+    candidates = [folder for folder in sorted(path.parent.iterdir()) if folder != path]
     for note in sorted(_runs_folder(path).glob("*.json")):
         try:
             candidates.append(Path(json.loads(note.read_text())["state_dir"]))
@@ -692,11 +692,11 @@ def unfinished_runs_from(checkpoint_path) -> list[tuple[Path, int | None]]:
             continue  # a note half written or edited: the states beside the checkpoint are still checked
     fingerprint, found, seen = None, [], set()
     for folder in candidates:
-        # a state both beside the checkpoint and noted, perhaps reached through a link, once; not a folder (a link
-        # that loops among them) is skipped before it is resolved
-        if not folder.is_dir() or folder.resolve() in seen:
+        # not a folder (a file, or a link that loops) is skipped before it is resolved; a state both beside the
+        # checkpoint and noted, perhaps reached through a link, once
+        if not folder.is_dir() or (real := folder.resolve()) in seen:
             continue
-        seen.add(folder.resolve())
+        seen.add(real)
         if has_training_state(folder):
             started_from = (read_manifest(folder).get("run") or {}).get("start_checkpoint_sha256")
             fingerprint = fingerprint or folder_fingerprint(path)
