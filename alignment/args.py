@@ -619,7 +619,8 @@ def build_sft_parser() -> argparse.ArgumentParser:
     parser.add_argument("--logprob_chunk_size", type=_non_negative_int, default=1024, help="tokens per chunk of the fused lm_head+log-softmax; 0 = naive")
     parser.add_argument("--log_every", type=_positive_int, default=10, help="console line and TensorBoard scalars every N optimizer steps")
     parser.add_argument("--eval_every", type=_non_negative_int, default=0, help="evaluate on the eval split every N steps (0 = only at the end)")
-    parser.add_argument("--eval_num_examples", type=_positive_int, default=200, help="examples for SFT-time evaluation (greedy, HF generate)")
+    parser.add_argument("--eval_num_examples", type=_non_negative_int, default=200,
+                        help="examples for SFT-time evaluation (greedy, HF generate); 0: none (evaluate the checkpoint with alignment.evaluate)")
     parser.add_argument("--eval_max_tokens", type=_positive_int, default=512, help="max new tokens in SFT-time evaluation")
     return parser
 
@@ -628,6 +629,8 @@ def parse_sft_args(argv=None) -> argparse.Namespace:
     args = build_sft_parser().parse_args(argv)
     if args.batch_size % args.microbatch_size and not args.microbatch_tokens:
         raise UserError(f"--microbatch_size {args.microbatch_size} must divide --batch_size {args.batch_size}")
+    if args.eval_every and not args.eval_num_examples:
+        raise UserError(f"--eval_every {args.eval_every} evaluates on no examples (--eval_num_examples 0): pass --eval_num_examples N, or drop --eval_every")
     _check_data_dir(args.data_dir)
     return args
 

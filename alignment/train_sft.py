@@ -68,7 +68,8 @@ def train(args, stop: StopOnSignal) -> dict:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     dataset = Gsm8kDataset("train", args.data_dir, limit=args.num_train_examples)
-    eval_set = Gsm8kDataset("test", args.data_dir, limit=args.eval_num_examples)  # read now: a bad row fails before the model loads, not after training
+    # read now: a bad row fails before the model loads, not after training (--eval_num_examples 0: no SFT-time evaluation)
+    eval_set = Gsm8kDataset("test", args.data_dir, limit=args.eval_num_examples) if args.eval_num_examples else None
     writer = open_log(Path(args.log_dir) / args.run_name)
     tokenizer = load_tokenizer(args.model)
     model = load_hf_model(args.model, device, master_dtype(dtype, args.fp32_master_weights))
@@ -149,6 +150,10 @@ def train(args, stop: StopOnSignal) -> dict:
         writer.close()
         raise RunStopped(f"stopped by {stop.name} in the last SFT step ({step}): the trained model is saved to {args.checkpoint_path}; "
                          f"its final evaluation did not run (python -m alignment.evaluate --model_path {args.checkpoint_path})", stop.exit_code)
+    if eval_set is None:
+        writer.close()
+        print(f"not evaluated (--eval_num_examples 0): python -m alignment.evaluate --model_path {args.checkpoint_path}")
+        return {}
     metrics = evaluate_sft(model, tokenizer, args, writer, step, eval_set)
     writer.close()
     metrics.pop("samples", None)

@@ -50,6 +50,23 @@ def test_sft_lowers_the_loss_and_saves_a_checkpoint_both_backends_load(task):
         engine.close()
 
 
+def test_sft_with_no_evaluation_examples_saves_its_checkpoint_and_evaluates_nothing(task, tmp_path, capsys):
+    argv = ["--model", str(task.sft), "--checkpoint_path", str(tmp_path / "sft"), "--data_dir", str(task.data), "--log_dir", str(tmp_path / "runs"),
+            "--batch_size", "16", "--microbatch_size", "16", "--num_epochs", "1", "--log_every", "1", "--eval_num_examples", "0"]
+    with pytest.raises(UserError, match=r"--eval_every 2 evaluates on no examples \(--eval_num_examples 0\)"):
+        train_sft.main([*argv, "--eval_every", "2"])
+    assert not (tmp_path / "sft").exists()
+    assert train_sft.main(argv) == {}
+    out = capsys.readouterr().out
+    assert f"not evaluated (--eval_num_examples 0): python -m alignment.evaluate --model_path {tmp_path / 'sft'}" in out and "eval step" not in out
+    events = EventAccumulator(str(tmp_path / "runs" / "sft"))
+    events.Reload()
+    assert len(events.Scalars("train/loss")) == 4 and not [tag for tag in events.Tags()["scalars"] if tag.startswith("eval/")]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
+
+
 def test_an_sft_rerun_replaces_the_earlier_runs_curves_in_tensorboard(task, tmp_path, capsys):
     def sft(epochs):
         train_sft.main(["--model", str(task.sft), "--checkpoint_path", str(tmp_path / "sft"), "--data_dir", str(task.data), "--log_dir", str(tmp_path / "runs"),
