@@ -150,12 +150,10 @@ def train(args, stop: StopOnSignal) -> dict:
         writer.close()
         raise RunStopped(f"stopped by {stop.name} in the last SFT step ({step}): the trained model is saved to {args.checkpoint_path}; "
                          f"its final evaluation did not run (python -m alignment.evaluate --model_path {args.checkpoint_path})", stop.exit_code)
-    if eval_set is None:
-        writer.close()
-        print(f"not evaluated (--eval_num_examples 0): python -m alignment.evaluate --model_path {args.checkpoint_path}")
-        return {}
-    metrics = evaluate_sft(model, tokenizer, args, writer, step, eval_set)
+    metrics = evaluate_sft(model, tokenizer, args, writer, step, eval_set) if eval_set is not None else {}
     writer.close()
+    if eval_set is None:
+        print(f"not evaluated (--eval_num_examples 0): python -m alignment.evaluate --model_path {args.checkpoint_path}")
     metrics.pop("samples", None)
     return metrics
 
