@@ -354,6 +354,9 @@ def _add_rl_evaluation_and_logging(parser) -> None:
     evaluation.add_argument("--eval_split", choices=["train", "test"], default="test", help="split used for evaluation")
     evaluation.add_argument("--eval_num_examples", type=_positive_int, default=None, help="evaluate on the first N examples (default: the whole split)")
     _add_sampling(evaluation, "eval_", temperature=0.0, min_tokens=0, max_tokens=1024, seed_note=" (default greedy, so eval curves are not sampling noise)")
+    evaluation.add_argument("--eval_repetition_penalty", type=_repetition_penalty, default=None,
+                            help="repetition penalty of the evaluations; default --repetition_penalty (the seed's one penalty for rollouts and "
+                                 "evaluations). Set it to compare runs that sample rollouts with other penalties under one evaluation")
     add_pass_at_k_flags(evaluation, "eval_", temperature=None, temperature_note="default --sampling_temperature, the distribution RL trains")
 
     reliability = parser.add_argument_group("logging and reliability")
@@ -416,6 +419,8 @@ def validate_rl_args(args) -> None:
         raise UserError(f"--sampling_min_tokens {args.sampling_min_tokens} exceeds --sampling_max_tokens {args.sampling_max_tokens}")
     if args.eval_min_tokens > args.eval_max_tokens:
         raise UserError(f"--eval_min_tokens {args.eval_min_tokens} exceeds --eval_max_tokens {args.eval_max_tokens}")
+    if args.eval_repetition_penalty is None:
+        args.eval_repetition_penalty = args.repetition_penalty
     if args.epochs_per_rollout_batch > 1 and args.loss_type not in RATIO_LOSSES:
         print(f"note: --epochs_per_rollout_batch {args.epochs_per_rollout_batch} with {args.loss_type} reuses stale rollouts without importance correction; {_RATIO_NAMES} correct for it")
     if args.rollout_staleness and args.rollout_sync_every != 1:
@@ -486,7 +491,7 @@ EVALUATION_SIDE_FLAGS = (
     "vllm_kv_cache_gb", "vllm_enforce_eager", "hf_batch_size", "train_mini_batch_size", "microbatch_tokens", "gradient_checkpointing",
     "torch_compile", "sampler_logprobs_every", "logprob_chunk_size", "pack_sequences", "log_reference_kl", "max_train_minutes",
     "max_skipped_steps", "evaluate_freq", "evaluate_at_start", "eval_engine", "eval_split", "eval_num_examples", "eval_temperature",
-    "eval_top_p", "eval_min_tokens", "eval_max_tokens", "eval_samples", "eval_pass_k", "eval_samples_temperature", "log_every",
+    "eval_top_p", "eval_min_tokens", "eval_max_tokens", "eval_repetition_penalty", "eval_samples", "eval_pass_k", "eval_samples_temperature", "log_every",
     "peak_tflops", "num_logged_rollouts", "save_state_every",
 )
 _AUTO_FLAGS = ("torch_compile", "pack_sequences")  # None until resolve_speed_flags knows the device

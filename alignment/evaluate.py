@@ -37,7 +37,7 @@ from alignment.data import Gsm8kDataset, data_fingerprint
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
 from alignment.errors import UserError, run_cli
-from alignment.rollout import TOKENIZER_FILES, SamplingSettings, build_engine, check_model_folder, checkpoint_tensors
+from alignment.rollout import TOKENIZER_FILES, SamplingSettings, build_engine, check_model_folder, checkpoint_tensors, repetition_penalty_of
 
 
 def evaluate_math(llm, reward_fn, prompts: list[str], ground_truths: list[str], sampling_params: SamplingSettings, samples_path=None) -> dict:
@@ -146,7 +146,7 @@ def evaluate_in_subprocess(model_path, args, output_dir, device: str) -> dict:
         "--output_dir", str(Path(output_dir).resolve()), "--seed", str(args.seed),
         "--temperature", str(args.eval_temperature), "--top_p", str(args.eval_top_p),
         "--min_tokens", str(args.eval_min_tokens), "--max_tokens", str(args.eval_max_tokens),
-        "--repetition_penalty", str(args.repetition_penalty), "--vllm_kv_cache_gb", str(args.vllm_kv_cache_gb),
+        "--repetition_penalty", str(repetition_penalty_of(args, "eval_")), "--vllm_kv_cache_gb", str(args.vllm_kv_cache_gb),
     ]
     if args.eval_num_examples:
         command += ["--num_examples", str(args.eval_num_examples)]
@@ -348,14 +348,15 @@ EVALUATION_SETUP = {"split": "split", "num_examples": "num_examples", "data_sha2
 
 
 def evaluation_setup(args, num_examples: int, prefix: str = "") -> dict:
-    """metrics.json's record of what was evaluated; `prefix` "eval_" reads train_rl's --eval_* flags (its penalty is the rollouts')."""
+    """metrics.json's record of what was evaluated; `prefix` "eval_" reads train_rl's --eval_* flags (its penalty
+    --eval_repetition_penalty, which defaults to the rollouts')."""
     split = getattr(args, _flag("split", prefix))
     return {key: num_examples if key == "num_examples" else data_fingerprint(args.data_dir, split) if key == "data_sha256"
             else getattr(args, _flag(flag, prefix)) for key, flag in EVALUATION_SETUP.items()}
 
 
 def _flag(flag: str, prefix: str) -> str:
-    return flag if flag in ("repetition_penalty", "data_dir") else prefix + flag
+    return flag if flag == "data_dir" else prefix + flag
 
 
 def check_replaceable(output_dir, model_path, args, num_examples: int, default: bool) -> None:

@@ -56,8 +56,15 @@ class SamplingSettings:
             top_p=getattr(args, f"{prefix}top_p"),
             min_tokens=getattr(args, f"{prefix}min_tokens"),
             max_tokens=getattr(args, f"{prefix}max_tokens"),
-            repetition_penalty=args.repetition_penalty,
+            repetition_penalty=repetition_penalty_of(args, prefix),
         )
+
+
+def repetition_penalty_of(args, prefix: str) -> float:
+    """`--{prefix}repetition_penalty` where the command has one set (train_rl's --eval_repetition_penalty),
+    else `--repetition_penalty`: the seed's one penalty for rollouts and evaluations."""
+    own = getattr(args, f"{prefix}repetition_penalty", None)
+    return args.repetition_penalty if own is None else own
 
 
 @dataclass

@@ -32,6 +32,8 @@ flag's last value, so FLAGS override the recipe's); `--rl_minutes` ends each RL 
 the step whose training time reaches that many minutes (train_rl's --max_train_minutes:
 the run still saves and makes its final evaluation), so a sweep fits a time budget; TRL
 gets the same limit (bench_trl.py's --max_train_minutes), and its last round is evaluated too. Every RL run evaluates its start checkpoint as step 0 (`--evaluate_at_start`).
+Every evaluation is greedy at the recipe's repetition penalty (train_rl's --eval_repetition_penalty), so a variant
+that samples its rollouts with another `--repetition_penalty` is evaluated as the others are.
 """
 
 import argparse
@@ -74,7 +76,7 @@ TINY_RL = {**RL, "prompts_per_step": 2, "group_size": 4, "train_batch_size": 4, 
 
 # train_rl flags that change how its evaluations are made: a run given one of them evaluates its step 0 otherwise than
 # alignment.evaluate evaluates SFT in the recipe, so --no-sft_eval never takes SFT's accuracy from it
-EVALUATION_FLAGS = ("--repetition_penalty", "--eval_max_tokens", "--eval_num_examples", "--eval_split", "--eval_engine")
+EVALUATION_FLAGS = ("--eval_repetition_penalty", "--eval_max_tokens", "--eval_num_examples", "--eval_split", "--eval_engine")
 
 
 def sft_evaluated_by(recipe: bool, variants: list[tuple[str, list[str]]]) -> str | None:
@@ -93,8 +95,8 @@ def train_rl_flags(rl: dict) -> list[str]:
         "--rollout_batch_size", str(rl["prompts_per_step"]), "--group_size", str(rl["group_size"]), "--train_batch_size", str(rl["train_batch_size"]),
         "--sampling_max_tokens", str(rl["max_tokens"]), "--sampling_min_tokens", str(rl["min_tokens"]),
         "--sampling_temperature", str(rl["temperature"]), "--sampling_top_p", str(rl["top_p"]),
-        "--repetition_penalty", str(rl["repetition_penalty"]), "--learning_rate", str(rl["learning_rate"]),
-        "--adam_betas", *map(str, rl["adam_betas"]), "--kl_coef", "0", "--no-log_reference_kl",
+        "--repetition_penalty", str(rl["repetition_penalty"]), "--eval_repetition_penalty", str(rl["repetition_penalty"]),
+        "--learning_rate", str(rl["learning_rate"]), "--adam_betas", *map(str, rl["adam_betas"]), "--kl_coef", "0", "--no-log_reference_kl",
         "--cliprange", str(rl["cliprange"]), "--cliprange_high", str(rl["cliprange_high"]), "--length_normalization", rl["length_normalization"],
         "--use_std_normalization" if rl["std_normalization"] else "--no-use_std_normalization",
     ]
@@ -164,7 +166,7 @@ def evaluate_each(lane: Lane, log: str, stages_and_models: list[tuple[str, Path]
     command = [sys.executable, "-m", "alignment.evaluate", "--model_path", *(str(model) for _, model in stages_and_models),
                "--output_dir", *(str(lane.out / stage) for stage, _ in stages_and_models),
                "--data_dir", str(args.data_dir), "--device", args.device_name, "--max_tokens", str(args.eval_max_tokens),
-               "--repetition_penalty", str(args.rl["repetition_penalty"])]  # as train_rl's evaluations, which share the rollouts' penalty
+               "--repetition_penalty", str(args.rl["repetition_penalty"])]  # as train_rl's evaluations (--eval_repetition_penalty)
     if args.eval_num_examples:
         command += ["--num_examples", str(args.eval_num_examples)]
     command += ["--vllm_kv_cache_gb", "1"] if args.device == "cpu" else ["--vllm_enforce_eager"]  # one generate each: no compile to amortise

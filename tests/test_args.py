@@ -257,3 +257,29 @@ def test_given_flags_are_the_ones_on_the_command_line_whatever_their_value():
     assert not set(EVALUATION_SIDE_FLAGS) & set(RUN_DEFINING_FLAGS)
     for trains in ("learning_rate", "warmup_steps", "num_epochs", "max_steps", "skip_zero_signal", "kl_coef"):
         assert trains not in EVALUATION_SIDE_FLAGS
+
+
+def test_the_evaluation_penalty_follows_the_rollouts_unless_eval_repetition_penalty_sets_its_own(toy_data, tmp_path, monkeypatch):
+    """The seed has one --repetition_penalty for rollouts and evaluations; --eval_repetition_penalty sets the evaluations'
+    alone (on the sampler, in a fresh engine's child command and in what metrics.json records), so runs that sample with
+    other penalties are compared under one evaluation (bench_gsm8k.py's variants)."""
+    from alignment.evaluate import evaluate_in_subprocess, evaluation_setup
+    from alignment.rollout import SamplingSettings
+
+    seed = parse_rl_args(["--data_dir", str(toy_data), "--repetition_penalty", "1.1"])
+    assert SamplingSettings.from_args(seed, "eval_").repetition_penalty == SamplingSettings.from_args(seed, "sampling_").repetition_penalty == 1.1
+    apart = parse_rl_args(["--data_dir", str(toy_data), "--repetition_penalty", "1.1", "--eval_repetition_penalty", "1.0"])
+    assert SamplingSettings.from_args(apart, "sampling_").repetition_penalty == 1.1
+    assert SamplingSettings.from_args(apart, "eval_").repetition_penalty == 1.0
+    assert (evaluation_setup(seed, 8, "eval_")["repetition_penalty"], evaluation_setup(apart, 8, "eval_")["repetition_penalty"]) == (1.1, 1.0)
+    commands = []
+
+    def child(command, **kwargs):
+        commands.append(command)
+        raise RuntimeError("not run")
+
+    monkeypatch.setattr(evaluate.subprocess, "run", child)
+    for args in (seed, apart):
+        with pytest.raises(RuntimeError, match="not run"):
+            evaluate_in_subprocess(tmp_path / "rl_tmp", args, tmp_path / "eval", "cpu")
+    assert [command[command.index("--repetition_penalty") + 1] for command in commands] == ["1.1", "1.0"]

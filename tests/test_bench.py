@@ -125,14 +125,17 @@ def test_gsm8k_recipe_script_runs_sft_then_the_recipe_and_a_variant_from_it(tmp_
     # run whose step 0 is SFT's evaluation; the summary keeps the first call's runs and its SFT evaluation
     (tmp_path / "out" / "eval_sft").rename(tmp_path / "out" / "eval_sft_moved")
     later = ["--model", "task/sft", "--device", "cpu", "--tiny", "--no-trl", "--no-base_eval", "--no-sft_eval", "--no-recipe", "--data_dir", "task/data"]
-    refused = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "bench_gsm8k.py"), "--out", "out", *later, "--variant", "penalty=--repetition_penalty 1.1"],
+    refused = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "bench_gsm8k.py"), "--out", "out", *later, "--variant", "eval_penalty=--eval_repetition_penalty 1.1"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1 and refused.stderr.startswith("--no-sft_eval: every run of this call changes how it evaluates")
-    out = run_bench("bench_gsm8k.py", "out", *later, "--variant", "lr=--learning_rate 1e-4", cwd=tmp_path)
+    out = run_bench("bench_gsm8k.py", "out", *later, "--variant", "penalty=--repetition_penalty 1.1", cwd=tmp_path)
     assert "reusing the SFT checkpoint" in out
-    assert json.loads((tmp_path / "out" / "rl_start.json").read_text())["sft_evaluated_by"] == "lr"
+    assert json.loads((tmp_path / "out" / "rl_start.json").read_text())["sft_evaluated_by"] == "penalty"
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["eval_sft"]["evaluated_by"] == "runs/lr step 0" and sorted(summary["variants"]) == ["grpo_mean", "lr"] and summary["ours_evals"]
+    assert summary["eval_sft"]["evaluated_by"] == "runs/penalty step 0" and sorted(summary["variants"]) == ["grpo_mean", "penalty"] and summary["ours_evals"]
+    # its rollouts at the seed's 1.1, its evaluations at the recipe's 1.0
+    manifest = json.loads((tmp_path / "out" / "penalty" / "alignment_manifest.json").read_text())
+    assert (manifest["run"]["flags"]["repetition_penalty"], manifest["run"]["flags"]["eval_repetition_penalty"]) == (1.1, 1.0)
 
 
 def test_gsm8k_recipe_time_box_is_train_rls_own_so_the_final_evaluation_stays(monkeypatch, tmp_path):
@@ -305,16 +308,20 @@ def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypa
 def test_gsm8k_no_sft_eval_takes_sfts_accuracy_from_a_step_zero_evaluated_as_the_recipe_does(monkeypatch, tmp_path):
     """--no-sft_eval saves the separate evaluation of SFT: its accuracy is the step-0 evaluation of the run rl_start.json
     names, one that evaluates as the recipe does (the recipe's own, else the first variant that changes no evaluation
-    flag: `--repetition_penalty 1.1` would have made every curve start from SFT at penalty 1.1), only when RL started
+    flag: `--eval_repetition_penalty 1.1` would have made every curve start from SFT at penalty 1.1; a rollout penalty alone does not), only when RL started
     from SFT; without it the summary refuses in one line. The flag is refused before any work unless --no-base_eval is
     given and a run of ours follows that evaluates as the recipe does."""
     monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
-    from bench_gsm8k import RL, sft_evaluated_by, write_summary
+    from bench_gsm8k import RL, sft_evaluated_by, train_rl_flags, write_summary
 
-    assert sft_evaluated_by(True, [("penalty", ["--repetition_penalty", "1.1"])]) == "rl"
-    assert sft_evaluated_by(False, [("penalty", ["--repetition_penalty", "1.1"]), ("short", ["--eval_max_tokens=256"]), ("lr4", ["--learning_rate", "4e-6"]),
-                                    ("seed1", ["--seed", "1"])]) == "lr4"
-    assert sft_evaluated_by(False, [("penalty", ["--repetition_penalty", "1.1"]), ("few", ["--eval_num_examples", "64"])]) is None
+    assert sft_evaluated_by(True, [("eval_penalty", ["--eval_repetition_penalty", "1.1"])]) == "rl"
+    assert sft_evaluated_by(False, [("eval_penalty", ["--eval_repetition_penalty", "1.1"]), ("short", ["--eval_max_tokens=256"]),
+                                    ("lr4", ["--learning_rate", "4e-6"]), ("seed1", ["--seed", "1"])]) == "lr4"
+    assert sft_evaluated_by(False, [("eval_penalty", ["--eval_repetition_penalty=1.1"]), ("few", ["--eval_num_examples", "64"])]) is None
+    # the rollouts' penalty alone leaves the evaluation as the recipe's: every run is given the recipe's evaluation penalty
+    assert sft_evaluated_by(False, [("penalty", ["--repetition_penalty", "1.1"]), ("lr4", ["--learning_rate", "4e-6"])]) == "penalty"
+    flags = train_rl_flags(RL)
+    assert flags[flags.index("--eval_repetition_penalty") + 1] == str(RL["repetition_penalty"]) == "1.0"
 
     row = {"format_reward": 0.98, "answer_reward": 0.5, "num_examples": 1319, "mean_response_tokens": 113.0, "seconds": 9.0}
     (tmp_path / "runs" / "rl").mkdir(parents=True)
@@ -343,7 +350,7 @@ def test_gsm8k_no_sft_eval_takes_sfts_accuracy_from_a_step_zero_evaluated_as_the
         assert result.returncode == 1 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
         assert result.stderr.strip().startswith("--no-sft_eval needs --no-base_eval"), result.stderr[-2000:]
     result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--no-sft_eval",
-                             "--no-base_eval", "--no-recipe", "--variant", "penalty=--repetition_penalty 1.1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+                             "--no-base_eval", "--no-recipe", "--variant", "eval_penalty=--eval_repetition_penalty 1.1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
     assert result.stderr.strip().startswith("--no-sft_eval: every run of this call changes how it evaluates"), result.stderr[-2000:]
 

@@ -185,6 +185,8 @@ def test_an_evaluation_only_rerun_on_another_setup_keeps_the_first(pipeline):
         train_rl.main(rl_flags(pipeline, name, *flags))
     with pytest.raises(UserError, match=r"on 8 test examples, --eval_max_tokens 24 .*; this one is on 8 test examples, --eval_max_tokens 16:"):
         train_rl.main(rl_flags(pipeline, name, *flags, *pass_at_k, "--eval_max_tokens", "16"))
+    with pytest.raises(UserError, match=r"on 8 test examples, --eval_repetition_penalty 1.1 .*; this one is on 8 test examples, --eval_repetition_penalty 1.0:"):
+        train_rl.main(rl_flags(pipeline, name, *flags, *pass_at_k, "--eval_repetition_penalty", "1.0"))
     assert (run_dir / "eval_only_metrics.json").read_bytes() == first
     train_rl.main(rl_flags(pipeline, name, *flags, *pass_at_k))  # the same evaluation again replaces it
     assert json.loads((run_dir / "eval_only_metrics.json").read_text())["pass_at_k_samples"] == 2
