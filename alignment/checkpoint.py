@@ -194,8 +194,7 @@ def check_sft_log_folder(folder, checkpoint_path) -> None:
     if recorded and not same_path(recorded, Path(checkpoint_path).absolute()):
         raise UserError(f"--log_dir/--run_name {folder} holds the curves of the SFT run that wrote {recorded}; this run writes "
                         f"{checkpoint_path}: pass another --run_name to keep both (nothing was changed)")
-    rl_logs = run_logs(folder) or ("eval_only_metrics.json" if (folder / "eval_only_metrics.json").is_file() else "") or \
-        ("its TensorBoard curves" if log_folder_run_id(folder) and any(folder.glob("events.out.tfevents.*")) else "")
+    rl_logs = run_logs(folder) or ("its TensorBoard curves" if log_folder_run_id(folder) and any(folder.glob("events.out.tfevents.*")) else "")
     if rl_logs:
         raise UserError(f"--log_dir/--run_name {folder} holds the logs of an RL run ({rl_logs}), whose curves this SFT run would hide in "
                         f"TensorBoard; pass another --run_name (nothing was changed)")
@@ -248,8 +247,10 @@ def run_logs(folder: Path) -> str:
                 continue
     if steps:
         return f"steps {min(steps)}-{max(steps)} in steps.jsonl"
-    # TensorBoard files alone do not count: a run that failed before its first step leaves one
-    return ", ".join(name for name in ("evals.jsonl", "final_eval_metrics.json") if (folder / name).is_file() and (folder / name).stat().st_size)
+    # TensorBoard files alone do not count: a run that failed before its first step leaves one. train_rl's
+    # evaluate-only results do: a checkpoint's evaluation, which a new run's curves would join in TensorBoard
+    return ", ".join(name for name in ("evals.jsonl", "final_eval_metrics.json", "eval_only_metrics.json")
+                     if (folder / name).is_file() and (folder / name).stat().st_size)
 
 
 def check_writable(folder, flag: str, target=None) -> None:

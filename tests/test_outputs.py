@@ -699,6 +699,22 @@ def test_a_log_folder_continues_only_with_the_run_that_wrote_it(tmp_path):
     assert json.loads((logs / checkpoint.LOG_MARKER_NAME).read_text())["run_id"] == "run-d"
 
 
+def test_a_training_run_refuses_a_log_folder_holding_a_checkpoints_evaluate_only_results(tmp_path):
+    """train_rl only evaluates a --checkpoint_path that holds weights, into --log_dir/--run_name (eval_only_metrics.json
+    and eval_only/* curves, marked without a run id). A training run of another checkpoint given that --run_name took the
+    folder over, and TensorBoard drew the evaluated checkpoint's results as the new run's; the advice to train again
+    named only the checkpoint, not the folder a new run would then refuse."""
+    logs = tmp_path / "exp"
+    checkpoint.claim_log_folder(logs, "--log_dir/--run_name")  # the evaluate-only run
+    (logs / "eval_only_metrics.json").write_text('{"avg_all_rewards": 0.6, "checkpoint_path": "checkpoints/rl_old"}\n')
+    with pytest.raises(UserError, match=r"^--log_dir/--run_name .*exp holds the logs of an earlier run \(eval_only_metrics.json\); pass another "
+                                        r"--run_name, or remove .*exp to replace them \(nothing was changed\)$"):
+        checkpoint.claim_log_folder(logs, "--log_dir/--run_name", "run-new")
+    assert checkpoint.log_folder_run_id(logs) == ""  # still the evaluation's
+    assert checkpoint.start_over(logs, tmp_path / "rl_old") == f"remove {tmp_path / 'rl_old'} and {logs}"
+    checkpoint.claim_log_folder(logs, "--log_dir/--run_name")  # the same checkpoint evaluated again: no run id, still ours
+
+
 def test_trimming_the_steps_log_on_a_full_disk_keeps_it_whole(tmp_path):
     """--resume rewrites steps.jsonl to the saved step; in place, a full disk left it cut short. Here the file-size limit plays the full disk."""
     log = tmp_path / "steps.jsonl"
