@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from alignment.args import check_checkpoint, parse_sft_args
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_sft_log_folder, check_writable, claim_log_folder,
-                                  real_output_path, record_sft_log_folder, recover_checkpoint, save_model_atomically, start_model_name, unfinished_runs_from)
+                                  read_manifest, real_output_path, record_sft_log_folder, recover_checkpoint, save_model_atomically, start_model_name, unfinished_runs_from)
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -54,12 +54,27 @@ def evaluate_sft(model, tokenizer, args, writer, step, dataset) -> dict:
 def open_log(run_dir: Path) -> SummaryWriter:
     """TensorBoard writer for this run. SFT replaces its checkpoint, so a rerun replaces the
     earlier run's curves too: its events are hidden from step 0 on (purge_step), not mixed
-    with this run's; their files stay on disk. (Another checkpoint's curves are refused before:
+    with this run's; their files stay on disk. A rerun that ends before it saves its checkpoint
+    gives them back (set_aside_unsaved_curves). (Another checkpoint's curves are refused before:
     check_sft_log_folder.)"""
     earlier = sorted(run_dir.glob("events.out.tfevents.*"))
     if earlier:
         print(f"{run_dir}: TensorBoard shows this run's curves in place of the earlier SFT run's ({len(earlier)} event file(s), kept on disk)")
     return SummaryWriter(str(run_dir), purge_step=0 if earlier else None)
+
+
+def set_aside_unsaved_curves(run_dir: Path, earlier: set[Path]) -> None:
+    """A rerun that stopped or failed before saving left the earlier run's checkpoint in place, and its event
+    file's purge still hid that checkpoint's curves: its files move into a subfolder of their own (a run of
+    their own in TensorBoard), and the earlier curves show again."""
+    unsaved = sorted(set(run_dir.glob("events.out.tfevents.*")) - earlier)
+    if not unsaved:
+        return
+    aside = run_dir / f"unsaved_rerun_{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir(exist_ok=True)
+    for path in unsaved:
+        path.rename(aside / path.name)
+    print(f"{run_dir}: this SFT run saved no checkpoint, so TensorBoard shows the earlier run's curves again; this run's are in {aside}")
 
 
 def train(args, stop: StopOnSignal) -> dict:
@@ -180,7 +195,13 @@ def main(argv=None) -> dict:
         check_sft_log_folder(run_dir, args.checkpoint_path)  # the curves a rerun hides are the replaced checkpoint's only
         claim_log_folder(run_dir, "--log_dir/--run_name")
         record_sft_log_folder(run_dir, args.checkpoint_path)
-        return train(args, stop)
+        earlier, saved = set(Path(run_dir).glob("events.out.tfevents.*")), read_manifest(args.checkpoint_path)
+        try:
+            return train(args, stop)
+        except BaseException:
+            if earlier and read_manifest(args.checkpoint_path) == saved:  # the earlier checkpoint stays: so do its curves
+                set_aside_unsaved_curves(Path(run_dir), earlier)
+            raise
 
 
 if __name__ == "__main__":

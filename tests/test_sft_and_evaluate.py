@@ -83,6 +83,17 @@ def test_an_sft_rerun_replaces_the_earlier_runs_curves_in_tensorboard(task, tmp_
     assert "in place of the earlier SFT run's (1 event file(s), kept on disk)" in capsys.readouterr().out
     assert logged_steps() == ([1, 2, 3, 4], [4])  # mixed, it would be both runs' 12 losses and two evaluations
     assert len(list((tmp_path / "runs" / "sft").glob("events.out.tfevents.*"))) == 2
+    # a rerun that fails before it saves leaves that checkpoint in place, and its curves in TensorBoard: its own purge
+    # hid them (no curve at all here), so its event file moves into a subfolder, a run of its own
+    checkpoint_before = sorted((path.name, path.read_bytes()) for path in (tmp_path / "sft").rglob("*") if path.is_file())
+    with pytest.raises(UserError, match=r"--batch_size 100 exceeds the 64 usable training examples"):
+        train_sft.main(["--model", str(task.sft), "--checkpoint_path", str(tmp_path / "sft"), "--data_dir", str(task.data), "--log_dir", str(tmp_path / "runs"),
+                        "--batch_size", "100", "--microbatch_size", "4", "--eval_num_examples", "2", "--eval_max_tokens", "4"])
+    assert logged_steps() == ([1, 2, 3, 4], [4])
+    assert sorted((path.name, path.read_bytes()) for path in (tmp_path / "sft").rglob("*") if path.is_file()) == checkpoint_before
+    aside = list((tmp_path / "runs" / "sft").glob("unsaved_rerun_*"))
+    assert len(aside) == 1 and len(list(aside[0].glob("events.out.tfevents.*"))) == 1
+    assert f"this SFT run saved no checkpoint, so TensorBoard shows the earlier run's curves again; this run's are in {aside[0]}" in capsys.readouterr().out
     # another checkpoint under the same (default) --run_name: its SFT run would hide these curves, though nothing replaces them
     other = ["--model", str(task.sft), "--checkpoint_path", str(tmp_path / "sft_b"), "--data_dir", str(task.data), "--log_dir", str(tmp_path / "runs"),
              "--batch_size", "16", "--microbatch_size", "16", "--max_steps", "1", "--eval_num_examples", "2", "--eval_max_tokens", "4"]
