@@ -66,6 +66,13 @@ def read_manifest(path) -> dict | None:
     return manifest if isinstance(manifest, dict) and manifest.get("written_by") == WRITER else None
 
 
+def copy_identity(manifest: dict | None) -> str | None:
+    """Which copy of a checkpoint folder a manifest describes: the SHA-256 of the files it lists (names, sizes and
+    SHA-256s), so that a save of other weights into the same folder differs; None without a manifest of ours."""
+    files = (manifest or {}).get("files")
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest() if isinstance(files, dict) else None
+
+
 def _is_empty_folder(path: Path) -> bool:
     return path.is_dir() and not any(path.iterdir())
 

@@ -31,8 +31,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from alignment.args import build_eval_parser, check_checkpoint, parse_eval_args
-from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, log_folder_run_id, read_manifest, run_logs,
-                                  same_path, sft_run_in, start_over)
+from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, copy_identity, log_folder_run_id, read_manifest,
+                                  run_logs, same_path, sft_run_in, start_over)
 from alignment.data import Gsm8kDataset, data_fingerprint
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -171,10 +171,28 @@ def checkpoint_position(path) -> dict:
     return {key: saved[key] for key in ("step", "total_steps") if isinstance(saved.get(key), int)}
 
 
+def copy_record(manifest: dict | None) -> dict:
+    """What a metrics file records of the copy it graded ({"checkpoint_copy": copy_identity}), {} for a folder
+    without our manifest: a later evaluation into that file checks that the folder still holds that copy."""
+    identity = copy_identity(manifest)
+    return {"checkpoint_copy": identity} if identity else {}
+
+
+def check_same_copy(recorded: dict, model_path, where: str, keep: str, replace: str) -> None:
+    """Refuse to overwrite the evaluation of an earlier copy of `model_path` (another SFT run, an epoch's policy later
+    replaced by the next) with the copy's now there: the earlier one's results are all that is left of those weights."""
+    earlier, now = recorded.get("checkpoint_copy"), copy_identity(read_manifest(model_path))
+    if earlier and now and earlier != now:
+        step = recorded.get("checkpoint_step")
+        of_step = f" (step {step} of {recorded.get('checkpoint_total_steps')})" if isinstance(step, int) else ""
+        raise UserError(f"{where} holds the evaluation of an earlier copy of {model_path}{of_step}, whose weights were replaced since: "
+                        f"{keep} to keep both, or {replace} (nothing was changed)")
+
+
 def check_eval_only_folder(run_dir, checkpoint_path, setup: dict) -> None:
     """train_rl's evaluate-only rule writes eval_only_* into --log_dir/--run_name: refused when that folder holds
     another training run's logs (--checkpoint_path rl_seed1 with the default --run_name rl would add its evaluation
-    to seed 42's curves), another checkpoint's eval-only evaluation, or this checkpoint's on another `setup`
+    to seed 42's curves), another checkpoint's eval-only evaluation or an earlier copy's, or this checkpoint's on another `setup`
     (eval_only_setup: a 20-example check, or a plain rerun after pass@k sampling, would overwrite it). Raises UserError."""
     run_dir = Path(run_dir)
     trained_by = (read_manifest(checkpoint_path) or {}).get("run") or {}
@@ -195,6 +213,8 @@ def check_eval_only_folder(run_dir, checkpoint_path, setup: dict) -> None:
     if evaluated and not same_path(evaluated, checkpoint_path):
         raise UserError(f"--log_dir/--run_name {run_dir} holds the evaluation of {evaluated} ({previous.name}); pass another --run_name to evaluate "
                         f"{checkpoint_path} (nothing was changed)")
+    check_same_copy(recorded, checkpoint_path, f"--log_dir/--run_name {run_dir} ({previous.name})", "pass another --run_name",
+                    f"remove {previous} to evaluate the copy there now")
     changed = [key for key in EVALUATION_SETUP if key in recorded and recorded[key] != setup[key]]
     if changed:
         raise UserError(f"--log_dir/--run_name {run_dir} holds an evaluation of {checkpoint_path} on {_setup_text(recorded, changed, 'eval_')} "
@@ -216,7 +236,7 @@ def evaluate_checkpoint(args, setup: dict) -> dict:
     from alignment.devices import resolve_role_devices
 
     print(f"{args.checkpoint_path} already holds weights: evaluating it (no training)")
-    saved_at = checkpoint_position(args.checkpoint_path)
+    saved_at, graded = checkpoint_position(args.checkpoint_path), copy_record(read_manifest(args.checkpoint_path))
     if len(saved_at) == 2 and saved_at["step"] < saved_at["total_steps"]:
         print(f"note: {args.checkpoint_path} is the policy after step {saved_at['step']} of {saved_at['total_steps']} (an epoch's checkpoint of a run "
               f"that stopped before its end, with no training state to resume): not that run's result; {start_over(Path(args.log_dir) / args.run_name, args.checkpoint_path)} to train from the start")
@@ -230,7 +250,7 @@ def evaluate_checkpoint(args, setup: dict) -> dict:
     run_dir = Path(args.log_dir) / args.run_name
     write_jsonl(run_dir / "eval_only_samples.jsonl", metrics.pop("samples"))
     write_json(run_dir / "eval_only_metrics.json", {**metrics, "checkpoint_path": str(args.checkpoint_path), **setup,
-                                                    **{f"checkpoint_{key}": value for key, value in saved_at.items()}})
+                                                    **{f"checkpoint_{key}": value for key, value in saved_at.items()}, **graded})
     writer = SummaryWriter(str(run_dir))
     for key in ("avg_all_rewards", "format_reward", "answer_reward", "mean_response_tokens", *(k for k in metrics if k.startswith("pass@"))):
         writer.add_scalar(f"eval_only/{key}", metrics[key], 0)
@@ -363,7 +383,8 @@ def check_replaceable(output_dir, model_path, args, num_examples: int, default: 
     """An --output_dir whose metrics.json another evaluation wrote is refused: evaluating there would overwrite it.
     Another model's (two checkpoints named alike, a/rl and b/rl, share the default folder), or the same model's
     on another setup (a 20-example check would replace the whole split's; another --repetition_penalty, a
-    plain rerun after pass@k sampling). The same evaluation again replaces it."""
+    plain rerun after pass@k sampling), or of an earlier copy of the same folder (check_same_copy). The same
+    evaluation of the same copy again replaces it."""
     try:
         previous = json.loads((Path(output_dir) / "metrics.json").read_text())
     except (OSError, ValueError):
@@ -374,6 +395,7 @@ def check_replaceable(output_dir, model_path, args, num_examples: int, default: 
     if not same_path(previous["model_path"], model_path):
         raise UserError(f"{where} holds the evaluation of {previous['model_path']} (metrics.json); pass another --output_dir to keep both, "
                         f"or remove it to evaluate {model_path} there (nothing was changed)")
+    check_same_copy(previous, model_path, f"{where} (metrics.json)", "pass another --output_dir", "remove it to evaluate the copy there now")
     setup = evaluation_setup(args, num_examples)
     changed = [key for key in EVALUATION_SETUP if key in previous and previous[key] != setup[key]]
     if changed:
@@ -454,7 +476,7 @@ def _evaluate(args, dataset, model_path, output_dir, engine, loaded) -> dict:
     # once left its samples beside the previous evaluation's metrics.json
     write_jsonl(output_dir / "samples.jsonl", metrics.pop("samples"))
     metrics.update(model_path=str(model_path), backend=args.backend, **evaluation_setup(args, metrics["num_examples"]),
-                   **{f"checkpoint_{key}": value for key, value in checkpoint_position(model_path).items()})
+                   **{f"checkpoint_{key}": value for key, value in checkpoint_position(model_path).items()}, **copy_record(loaded))
     write_json(output_dir / "metrics.json", metrics)
     print(format_metrics_table(metrics, f"{model_path} on {args.split} ({args.backend})"))
     print(f"wrote {output_dir / 'metrics.json'} and {output_dir / 'samples.jsonl'}")

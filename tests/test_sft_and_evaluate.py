@@ -170,6 +170,49 @@ def test_an_evaluation_of_a_checkpoint_replaced_meanwhile_writes_nothing(task, t
     assert evaluate.main(argv)["checkpoint_step"] == 2  # evaluated again: the copy it graded
 
 
+def test_an_evaluation_of_an_earlier_copy_of_a_folder_is_kept_when_other_weights_are_saved_there(task, tmp_path):
+    """`evaluate --model_path checkpoints/rl` after epoch 1, again after the run saved its last epoch there (or after
+    train_sft ran again into checkpoints/sft): the second replaced the first's metrics and samples, the only record of
+    weights that no longer exist. Each evaluation records the copy it graded; another copy is refused, the same one
+    replaces it. train_rl's evaluate-only results (eval_only_metrics.json) are kept the same way."""
+    from transformers import AutoModelForCausalLM
+
+    from alignment.checkpoint import save_model_atomically
+    from alignment.evaluate import check_eval_only_folder
+    from alignment.rollout import load_tokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(task.sft), load_tokenizer(task.sft)
+    checkpoint = tmp_path / "rl"
+    save_model_atomically(model, tokenizer, checkpoint, "rl_checkpoint", record={"step": 1, "total_steps": 2})
+    argv = ["--model_path", str(checkpoint), "--backend", "hf", "--data_dir", str(task.data), "--num_examples", "2", "--max_tokens", "4",
+            "--output_dir", str(tmp_path / "eval")]
+    first = evaluate.main(argv)
+    assert len(first["checkpoint_copy"]) == 64 and first["checkpoint_step"] == 1
+    evaluate.main(argv)  # the same copy again: the same evaluation, replaced
+    written = {name: (tmp_path / "eval" / name).read_bytes() for name in ("metrics.json", "samples.jsonl")}
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01)
+    save_model_atomically(model, tokenizer, checkpoint, "rl_checkpoint", record={"step": 2, "total_steps": 2})
+    with pytest.raises(UserError, match=r"^--output_dir .*/eval \(metrics.json\) holds the evaluation of an earlier copy of .*/rl \(step 1 of 2\), whose "
+                                        r"weights were replaced since: pass another --output_dir to keep both, or remove it to evaluate the copy there now "
+                                        r"\(nothing was changed\)$"):
+        evaluate.main(argv)
+    assert {name: (tmp_path / "eval" / name).read_bytes() for name in written} == written
+    assert evaluate.main([*argv[:-1], str(tmp_path / "eval_last")])["checkpoint_step"] == 2
+    # train_rl's evaluate-only rule: the same check on eval_only_metrics.json
+    run_dir = tmp_path / "runs" / "rl"
+    run_dir.mkdir(parents=True)
+    (run_dir / "eval_only_metrics.json").write_text(json.dumps({**json.loads(written["metrics.json"]), "checkpoint_path": str(checkpoint)}))
+    setup = {key: json.loads(written["metrics.json"])[key] for key in evaluate.EVALUATION_SETUP}
+    with pytest.raises(UserError, match=r"^--log_dir/--run_name .*runs/rl \(eval_only_metrics.json\) holds the evaluation of an earlier copy of .*/rl "
+                                        r"\(step 1 of 2\), whose weights were replaced since: pass another --run_name to keep both, or remove "
+                                        r".*eval_only_metrics.json to evaluate the copy there now \(nothing was changed\)$"):
+        check_eval_only_folder(run_dir, checkpoint, setup)
+    (run_dir / "eval_only_metrics.json").write_text(json.dumps({**json.loads((tmp_path / "eval_last" / "metrics.json").read_text()),
+                                                               "checkpoint_path": str(checkpoint)}))
+    check_eval_only_folder(run_dir, checkpoint, setup)  # the copy there now: its evaluation again replaces it
+
+
 def test_sft_keeps_its_trained_model_whatever_stops_the_final_evaluation(task, tmp_path, monkeypatch):
     """The final evaluation used to run before the save (and read test.jsonl only then): a bad test row, an
     out-of-memory error in generate or a stop in the last step threw the whole SFT run away."""
