@@ -121,6 +121,12 @@ def test_the_demo_clears_only_folders_it_wrote(tmp_path):
     demo.claim_demo_folders(tmp_path / "mine", tmp_path / "mine_ck")  # the demo's own: claimed again on a rerun
     ((tmp_path / "mine") / "rl").mkdir()
     demo.claim_demo_folders(tmp_path / "mine", tmp_path / "mine_ck")
+    # and cleared: its curves, and its evaluations, which would refuse the new run's checkpoints (an earlier copy's)
+    for name in ("sft", "eval_base", "eval_sft", "eval_rl"):
+        (tmp_path / "mine" / name).mkdir(exist_ok=True)
+        (tmp_path / "mine" / name / "metrics.json").write_text("{}")
+    demo.clear_earlier_run(tmp_path / "mine", tmp_path / "mine_ck")
+    assert sorted(path.name for path in (tmp_path / "mine").iterdir() if path.is_dir()) == []
 
 
 def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path, capsys):

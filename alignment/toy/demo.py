@@ -176,6 +176,21 @@ def vllm_available() -> bool:
     return True
 
 
+def clear_earlier_run(out: Path, checkpoints: Path) -> None:
+    """A rerun starts clean: no old weights (only folders this tool wrote are removed), no old curves or
+    evaluations (an evaluation of the earlier run's checkpoint is kept from the new one's: evaluate.check_same_copy);
+    under the stages' locks, so that a demo still running on these paths is named, not cleared away."""
+    from alignment.checkpoint import OutputLock, remove_output
+
+    stale_checkpoints = ((checkpoints / "sft", "sft_checkpoint"), (checkpoints / "rl", "rl_checkpoint"), (checkpoints / "rl.state", "training_state"))
+    stale_logs = [out / name for name in ("sft", "rl", "eval_base", "eval_sft", "eval_rl")]
+    with OutputLock([(path, "--checkpoints") for path, _ in stale_checkpoints] + [(path, "--out") for path in stale_logs]):
+        for stale, kind in stale_checkpoints:
+            remove_output(stale, kind)
+        for stale in stale_logs:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m alignment.toy.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/demo", help="folder for summary.json, logs and TensorBoard events")
@@ -191,7 +206,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--rl_extra", default="", help="more train_rl flags for the RL stage, space-separated (e.g. --rl_extra=--pack_sequences)")
     args = parser.parse_args(argv)
 
-    from alignment.checkpoint import OutputLock, remove_output
     from alignment.plot import plot_run
     from alignment.toy.synthetic_task import tokenizer_corpus, write_synthetic_gsm8k
     from alignment.toy.tiny_model import build_tiny_checkpoint, r1_zero_whole_tokens
@@ -199,14 +213,7 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     out, checkpoints = Path(args.out), Path(args.checkpoints)
     claim_demo_folders(out, checkpoints)
-    # a rerun starts clean: no old weights (only folders this tool wrote are removed), no old curves; under the
-    # stages' locks, so that a demo still running on these paths is named, not cleared away
-    stale_checkpoints = ((checkpoints / "sft", "sft_checkpoint"), (checkpoints / "rl", "rl_checkpoint"), (checkpoints / "rl.state", "training_state"))
-    with OutputLock([(path, "--checkpoints") for path, _ in stale_checkpoints] + [(out / "sft", "--out"), (out / "rl", "--out")]):
-        for stale, kind in stale_checkpoints:
-            remove_output(stale, kind)
-        for stale in (out / "sft", out / "rl"):
-            shutil.rmtree(stale, ignore_errors=True)
+    clear_earlier_run(out, checkpoints)
     backend = ("vllm" if vllm_available() else "hf") if args.backend == "auto" else args.backend
     task = {**CONFIG["task"], **{key: value for key, value in (("num_train", args.num_train), ("num_test", args.num_test)) if value}}
     data = write_synthetic_gsm8k(out / "data", seed=args.seed, **task)
