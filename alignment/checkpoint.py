@@ -496,8 +496,9 @@ def write_atomically(path, write_into, kind: str, record: dict | None = None) ->
                 os.rename(_backup_path(path), path)  # the second rename failed: the previous folder goes back
             kept = f"the previous {path} is intact" if path.exists() else f"nothing was at {path} before"
             reason = (error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0] if str(error) else type(error).__name__)
+            again = "run train_sft again (it keeps no resumable state)" if kind == "sft_checkpoint" else "run again (--resume continues from the last saved state)"
             raise UserError(f"could not write {path} ({reason}; {_free_space(path.parent)} free there); {kept}; "
-                            "free some space or check the path, and run again (--resume continues from the last saved state)") from None
+                            f"free some space or check the path, and {again}") from None
         # saved: what is left only tidies up, and a failure here must not report the save as failed (the
         # caller would stop a run whose new folder is in place); recover_checkpoint removes a leftover backup whose manifest is left
         try:

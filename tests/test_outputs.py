@@ -397,6 +397,10 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(p
     monkeypatch.setattr(checkpoint, "_fsync_tree", no_space)
     with pytest.raises(UserError, match=r"could not write .*full_disk/rl \(No space left on device; [\d.]+ [KMG]iB free there\); the previous .* is intact; free some space"):
         checkpoint.save_model_atomically(*_model_and_tokenizer(pipeline), checkpoint_dir, "rl_checkpoint")
+    # train_sft has no --resume to point to: the advice is to train again
+    with pytest.raises(UserError, match=r"could not write .*full_disk/sft \(No space left on device; .*\); nothing was at .*full_disk/sft before; "
+                                        r"free some space or check the path, and run train_sft again \(it keeps no resumable state\)$"):
+        checkpoint.save_model_atomically(*_model_and_tokenizer(pipeline), pipeline.root / "full_disk" / "sft", "sft_checkpoint")
     monkeypatch.setattr(checkpoint, "_fsync_tree", real_fsync)
     assert snapshot(checkpoint_dir) == before
     assert [p.name for p in checkpoint_dir.parent.iterdir() if ".alignment-tmp-" in p.name] == []
