@@ -68,9 +68,9 @@ def read_manifest(path) -> dict | None:
 
 def copy_identity(manifest: dict | None) -> str | None:
     """Which copy of a checkpoint folder a manifest describes: the SHA-256 of the files it lists (names, sizes and
-    SHA-256s), so that a save of other weights into the same folder differs; None without a manifest of ours."""
-    files = (manifest or {}).get("files")
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest() if isinstance(files, dict) else None
+    SHA-256s), so that a save of other weights into the same folder differs; None without a manifest of ours.
+    A folder this tool wrote has it as its folder_fingerprint."""
+    return None if manifest is None else hashlib.sha256(json.dumps(manifest.get("files", {}), sort_keys=True).encode()).hexdigest()
 
 
 def _is_empty_folder(path: Path) -> bool:
@@ -297,7 +297,7 @@ def folder_fingerprint(path) -> str:
     path = Path(path)
     manifest = read_manifest(path)
     if manifest is not None:
-        return hashlib.sha256(json.dumps(manifest.get("files", {}), sort_keys=True).encode()).hexdigest()
+        return copy_identity(manifest)
     return hashlib.sha256(json.dumps(_file_table(path), sort_keys=True).encode()).hexdigest()
 
 
