@@ -22,11 +22,12 @@ for the seed's one-process layer partition, where every call is a no-op.
 
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from alignment.checkpoint import save_model_atomically
+from alignment.checkpoint import ownership_problem, save_model_atomically
 from alignment.errors import UserError
 
 
@@ -191,15 +192,35 @@ def rank_slice(items: list, ranks) -> list:
     return items[start:stop]
 
 
-def save_policy(ranks, model, tokenizer, path, step: int, total_steps: int, run: dict) -> None:
+def save_policy(ranks, model, tokenizer, path, step: int, total_steps: int, run: dict) -> Path:
     """Gather the full weights (a collective under torchrun); rank 0 writes the HF folder, its
     manifest saying after which step of how many (an epoch's checkpoint of a longer run, or the result)
-    and the run's record (its flags: a later command that only evaluates it is checked against them)."""
+    and the run's record (its flags: a later command that only evaluates it is checked against them).
+
+    Returns where the weights went (rank 0's answer; `path` on the other ranks). When `path` changed
+    under the run so that the tool may no longer replace it (a file added to it, another folder put
+    there), they go to a free sibling `<path>.step<N>` instead, with a warning: a refused save must
+    not throw away the steps trained since the last one."""
     state_dict = ranks.full_state_dict_on_main(model)
+    target = Path(path)
     if ranks.is_main:
-        save_model_atomically(model, tokenizer, path, "rl_checkpoint", state_dict=state_dict,
+        if problem := ownership_problem(target, "rl_checkpoint"):
+            target = diverted_path(target, step)
+            print(f"warning: {path} {problem}, so the policy after step {step} was not saved there; it goes to {target} instead "
+                  f"(move the added files away, then {target} to {path}, to have it where the run was told to save it)", flush=True)
+        save_model_atomically(model, tokenizer, target, "rl_checkpoint", state_dict=state_dict,
                               record={"step": step, "total_steps": total_steps, "run": run})
     ranks.barrier()
+    return target
+
+
+def diverted_path(path: Path, step: int) -> Path:
+    """The first of `<path>.step<N>`, `<path>.step<N>-2`, ... that does not exist (nothing there is replaced)."""
+    for attempt in range(1, 1000):
+        candidate = path.with_name(f"{path.name}.step{step}" + (f"-{attempt}" if attempt > 1 else ""))
+        if not candidate.exists():
+            return candidate
+    raise UserError(f"{path}: no free folder {path.name}.step{step}-N beside it to save the policy into; free one and run again")
 
 
 def check_fsdp_sizes(args, ranks) -> None:

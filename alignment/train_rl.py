@@ -80,7 +80,7 @@ from alignment.optim import build_optimizer, build_scheduler, set_peak_learning_
 from alignment.policy_update import UpdateSettings, empty_totals, load_reference, needs_old_policy_pass, prepare_policy, score_with, sequence_lengths, update_policy
 from alignment.precision import describe as describe_precision
 from alignment.precision import master_dtype
-from alignment.rollout import HfEngine, SamplingSettings, check_model_folder, checkpoint_tensors, load_hf_model, load_tokenizer
+from alignment.rollout import HfEngine, SamplingSettings, check_model_folder, check_same_tokenizer, checkpoint_tensors, load_hf_model, load_tokenizer
 from alignment.run_log import STEP_TIMINGS, RunLog, step_scalars, timed
 from alignment.sampler import batches_ahead, rollout_batch, sample_and_grade, start_sampler, truncated_responses
 from alignment.sampler_process import SamplerProcessError
@@ -246,7 +246,9 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     run_dir = Path(args.log_dir) / args.run_name
     state = load_training_state(args.state_dir, run_dir) if args.resume else None  # checked against its manifest
     # data and tokenizer first (the seed builds them after the models): a bad row fails before any model loads
-    tokenizer = load_tokenizer(args.model or base_model_checkpoint_path)
+    tokenizer = load_tokenizer(args.model or base_model_checkpoint_path, "--model" if args.model else "--sft_checkpoint_path")
+    if args.model:
+        check_same_tokenizer(tokenizer, args.model, base_model_checkpoint_path, "--model")
     dataset, eval_set, steps_per_epoch, total_steps = load_prompts(args, tokenizer, base_model_checkpoint_path)
     log = RunLog(run_dir, SummaryWriter(str(run_dir), purge_step=state["step"] + 1 if state else None) if ranks.is_main else None,
                  state["step"] if state else 0, args.log_every, say)
@@ -270,6 +272,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     if args.evaluate_at_start and not state:  # step 0: the start checkpoint, evaluated as every later step is
         log.evaluation(0, evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, 0)[0], args.num_logged_rollouts)
 
+    saved_to = args.checkpoint_path  # where the last save went (save_policy diverts one that --checkpoint_path no longer takes)
     for step in range(progress["step"] + 1, total_steps + 1):
         progress["step"], step_started, timings = step, time.perf_counter(), dict.fromkeys(STEP_TIMINGS, 0.0)
         prompts, truths = (rank_slice(items, ranks) for items in rollout_batch(dataset, step, steps_per_epoch, args.rollout_batch_size, args.seed))  # whole prompts per rank
@@ -345,8 +348,8 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         # 7. save: the policy after each pass over the data (seed), a training state every
         # --save_state_every steps and when a signal asks to stop
         if step % steps_per_epoch == 0:
-            save_policy(ranks, model, tokenizer, args.checkpoint_path, step, total_steps, run)
-            say(f"epoch {step // steps_per_epoch - 1} done: saved policy to {args.checkpoint_path}")
+            saved_to = save_policy(ranks, model, tokenizer, args.checkpoint_path, step, total_steps, run)
+            say(f"epoch {step // steps_per_epoch - 1} done: saved policy to {saved_to}")
         stopping = ranks.any_true(stop.received is not None)
         if stopping and step == total_steps:  # trained to its end: saved below as any finished run, only the final evaluation is skipped
             break
@@ -362,14 +365,14 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     # the final weights are saved before the final evaluation: a run that has trained keeps them whatever
     # happens during the evaluation (minutes on GSM8K; a scheduler's SIGKILL after its grace period)
     if total_steps % steps_per_epoch:  # stopped mid-epoch (--max_steps); at an epoch's end step 7 saved them
-        save_policy(ranks, model, tokenizer, args.checkpoint_path, total_steps, total_steps, run)
-        say(f"saved RL checkpoint to {args.checkpoint_path}")
+        saved_to = save_policy(ranks, model, tokenizer, args.checkpoint_path, total_steps, total_steps, run)
+        say(f"saved RL checkpoint to {saved_to}")
     if stopping:  # a signal in the last step: the run's result is kept, its state no longer needed
         if ranks.is_main:
             _drop_training_state(args, base_model_checkpoint_path, run["run_id"])
         log.close()
         ranks.close()
-        raise RunStopped(f"stopped by {stop.name} in the last step ({total_steps}): the trained policy is saved to {args.checkpoint_path}; "
+        raise RunStopped(f"stopped by {stop.name} in the last step ({total_steps}): the trained policy is saved to {saved_to}; "
                          f"its final evaluation did not run: rerun the same command to evaluate it", stop.exit_code)
     eval_metrics, _ = evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, total_steps)
     log.evaluation(total_steps, eval_metrics, args.num_logged_rollouts)
@@ -379,6 +382,9 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         _drop_training_state(args, base_model_checkpoint_path, run["run_id"])  # finished: the final checkpoint is the result
     for closing in (log, sampler, ranks):
         closing.close()
+    if Path(saved_to) != Path(args.checkpoint_path):  # trained and evaluated, but not where it was asked for
+        raise RunStopped(f"the trained policy (step {total_steps}) is saved to {saved_to}, not to --checkpoint_path {args.checkpoint_path}, "
+                         f"which changed during the run (see the warning above); its final evaluation is in {run_dir}", 1)
     return drop_samples(eval_metrics)
 
 

@@ -1154,3 +1154,35 @@ def test_a_broken_model_folder_is_one_line_before_any_engine_loads_it(pipeline):
         with pytest.raises(UserError, match=rf"--model .*{name}(: | ){message}"):
             train_sft.main(["--model", str(folder), "--checkpoint_path", str(pipeline.root / f"sft_{name}"), "--data_dir", str(pipeline.data),
                             "--log_dir", str(pipeline.root / "runs")])
+
+
+def test_a_save_refused_by_a_file_added_mid_run_goes_beside_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """A file added to the checkpoint folder after epoch 0's save made every later save refuse the folder: the run
+    exited after all its training, and the steps since the last save were gone (no state: all of them)."""
+    from alignment.errors import RunStopped
+
+    task = make_tiny_task(tmp_path, num_train=8, num_test=4, seed=4)  # 4 prompts a step: 2 steps an epoch
+    checkpoint_path = task.root / "added" / "rl"
+    real_save = train_rl.save_policy
+
+    def save_then_add_a_file(ranks, model, tokenizer, path, step, *rest):
+        saved_to = real_save(ranks, model, tokenizer, path, step, *rest)
+        if step == 2:
+            (checkpoint_path / "notes.txt").write_text("the user's\n")
+        return saved_to
+
+    monkeypatch.setattr(train_rl, "save_policy", save_then_add_a_file)
+    with pytest.raises(RunStopped, match=r"the trained policy \(step 6\) is saved to .*added/rl\.step6, not to --checkpoint_path .*added/rl, "
+                                         r"which changed during the run") as stopped:
+        train_rl.main(train_rl_flags(task, "added", "--num_epochs", "3"))
+    assert stopped.value.exit_code == 1
+    out = capsys.readouterr().out
+    assert "epoch 1 done: saved policy to " + str(checkpoint_path) + ".step4" in out
+    assert re.search(r"warning: .*added/rl holds files its manifest does not list \(notes\.txt\).*after step 4 was not saved there", out)
+    # the user's file and epoch 0's weights stay; each refused save went to its own sibling, the last one the run's result
+    assert (checkpoint_path / "notes.txt").read_text() == "the user's\n" and read_manifest(checkpoint_path)["step"] == 2
+    for step in (4, 6):
+        diverted = checkpoint_path.with_name(f"rl.step{step}")
+        assert {k: read_manifest(diverted)[k] for k in ("kind", "step", "total_steps")} == {"kind": "rl_checkpoint", "step": step, "total_steps": 6}
+        verify_manifest(diverted, "the diverted checkpoint")
+    assert json.loads((task.root / "runs" / "added" / "final_eval_metrics.json").read_text())["step"] == 6
