@@ -18,6 +18,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -560,16 +561,29 @@ def load_hf_model(model_path, device: str, dtype: torch.dtype):
     return model.to(device)
 
 
-def load_tokenizer(model_path):
+def load_tokenizer(model_path, flag: str | None = None):
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except OSError as error:
-        raise UserError(f"cannot load a tokenizer from {model_path}: {str(error).splitlines()[0]}") from None
+    except (OSError, ValueError) as error:  # ValueError: a folder with no tokenizer files in it
+        named = f"{flag} {model_path}" if flag else str(model_path)
+        raise UserError(f"cannot load a tokenizer from {named}: {str(error).splitlines()[0]}; pass a folder or hub id that holds one") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def check_same_tokenizer(tokenizer, source, checkpoint, flag: str) -> None:
+    """Refuse a tokenizer (from `flag` `source`) whose vocabulary or special tokens differ from those saved
+    with `checkpoint`: the engine reads the checkpoint's own, so prompts would be encoded one way and read
+    another, and the result would be saved beside weights it does not fit. Nothing saved there: no check."""
+    if not any((Path(checkpoint) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return
+    saved = load_tokenizer(checkpoint)
+    if saved.get_vocab() != tokenizer.get_vocab() or saved.all_special_tokens != tokenizer.all_special_tokens:
+        raise UserError(f"{flag} {source}: its tokenizer ({len(tokenizer)} tokens) differs from the one saved with {checkpoint} "
+                        f"({len(saved)} tokens); leave {flag} out to use the checkpoint's own, or pass the model it was trained from")
 
 
 def build_engine(backend: str, model_path, device: str, dtype: torch.dtype, seed: int, args, tokenizer=None, shares_gpu: bool = False,

@@ -86,7 +86,7 @@ def train(args, stop: StopOnSignal) -> dict:
     # read now: a bad row fails before the model loads, not after training (--eval_num_examples 0: no SFT-time evaluation)
     eval_set = Gsm8kDataset("test", args.data_dir, limit=args.eval_num_examples) if args.eval_num_examples else None
     writer = open_log(Path(args.log_dir) / args.run_name)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model, "--model")
     model = load_hf_model(args.model, device, master_dtype(dtype, args.fp32_master_weights))
     print(f"precision: {describe_precision(master_dtype(dtype, args.fp32_master_weights), dtype)}")
     if args.gradient_checkpointing:

@@ -450,3 +450,23 @@ def test_each_rollout_batch_gets_its_own_shuffle(pipeline):
         finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(finals[0], finals[1])  # same step, same order: reproducible
     assert not torch.allclose(finals[0], finals[2])  # another step, another order
+
+
+def test_a_tokenizer_source_other_than_the_checkpoints_is_refused(tmp_path):
+    """--model (the tokenizer source) was never checked: a folder without a tokenizer gave a traceback from
+    transformers, and another model's tokenizer trained the policy and was saved beside weights it does not fit."""
+    task = make_tiny_task(tmp_path / "a", num_train=8, num_test=4, seed=1)
+    other = make_tiny_task(tmp_path / "b", num_train=8, num_test=4, seed=2)
+    from alignment.toy.synthetic_task import tokenizer_corpus
+    from alignment.toy.tiny_model import build_tiny_checkpoint
+
+    wider = build_tiny_checkpoint(tmp_path / "wider", texts=tokenizer_corpus(other.data), vocab_size=416)
+    with pytest.raises(UserError, match=r"^--model .*wider: its tokenizer \(416 tokens\) differs from the one saved with .*a/sft \(400 tokens\); "
+                                        r"leave --model out"):
+        train_rl.main(train_rl_flags(task, "wider", "--model", str(wider)))
+    with pytest.raises(UserError, match=r"^cannot load a tokenizer from --model .*a/data: .*; pass a folder or hub id that holds one$"):
+        train_rl.main(train_rl_flags(task, "no_tokenizer", "--model", str(task.data)))
+    assert not (task.root / "wider" / "rl").exists() and not (task.root / "no_tokenizer" / "rl").exists()
+    from alignment.rollout import check_same_tokenizer, load_tokenizer
+
+    check_same_tokenizer(load_tokenizer(task.sft), task.sft, task.sft, "--model")  # its own tokenizer passes
