@@ -497,8 +497,23 @@ EVALUATION_SIDE_FLAGS = (
 _AUTO_FLAGS = ("torch_compile", "pack_sequences")  # None until resolve_speed_flags knows the device
 
 
+STORE_TRUE_FLAGS = ("gradient_checkpointing", "resume")  # switches without a --no- form
+
+
 def _plain(value):
     return list(value) if isinstance(value, tuple) else value
+
+
+def _as_given(name: str, value) -> str:
+    """What to do for a command to give --`name` the recorded `value`: "leave --name out" for a default
+    of None or an unset store-true switch, else "pass" and the flag as typed (--no-name for a switch that is off)."""
+    if value is None or (value is False and name in STORE_TRUE_FLAGS):
+        return f"leave --{name} out"
+    if isinstance(value, bool):
+        return f"pass --{name}" if value else f"pass --no-{name}"
+    if isinstance(value, list):
+        return f"pass --{name} {' '.join(str(item) for item in value)}"
+    return f"pass --{name} {value}"
 
 
 def run_record(args, train_data_sha256: str, run_id: str, start_checkpoint_sha256: str | None = None) -> dict:
@@ -530,7 +545,7 @@ def check_resume_flags(saved: dict, args, train_data_sha256: str, start_checkpoi
         if key in flags and flags[key] != _plain(getattr(args, key)):
             raise UserError(
                 f"--resume: --{key} is {_plain(getattr(args, key))!r} but the run was started with {flags[key]!r}; "
-                f"pass --{key} {flags[key]} to resume it, or start a new run with another --checkpoint_path"
+                f"{_as_given(key, flags[key])} to resume it, or start a new run with another --checkpoint_path"
             )
     if saved.get("train_data_sha256") not in (None, train_data_sha256):
         raise UserError(f"--resume: {args.data_dir}/train.jsonl changed since the run started, so its data order would shift; "
@@ -565,7 +580,7 @@ def check_checkpoint_flags(saved: dict, args) -> None:
             raise UserError(
                 f"--{name} is {_plain(getattr(args, name))!r} but the policy in {args.checkpoint_path} was trained with {flags[name]!r}, "
                 f"and train_rl only evaluates a checkpoint that exists: pass another --checkpoint_path (and --run_name) to train this run, "
-                f"or --{name} {flags[name]} (or leave it out) to evaluate that policy")
+                f"or {_as_given(name, flags[name]).removeprefix('pass ')} to evaluate that policy")
 
 
 def check_checkpoint_inputs(saved: dict, args, start_checkpoint_sha256: str | None, train_data_sha256: str | None) -> None:

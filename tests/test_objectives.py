@@ -644,3 +644,22 @@ def test_overlong_mask_takes_truncated_responses_out_of_the_loss(task, monkeypat
         assert 0 < row["train/truncated_fraction"] == pytest.approx(1 - batch["in_loss"].float().mean().item())
         # parity rewards give every group an advantage: the loss is 0 exactly when every response is out of it
         assert (row["train/loss"] == 0.0 and row["train/grad_norm"] == 0.0) == (row["train/truncated_fraction"] == 1.0)
+
+
+def test_resume_refusals_name_the_flag_as_a_command_gives_it(task):
+    """A run started without --model (recorded None) and resumed with it was told to 'pass --model None', which
+    the same refusal met again; a switch that was off was told to pass '--dynamic_sampling False'."""
+    args = parse_rl_args(["--data_dir", str(task.data), "--model", str(task.sft), "--dynamic_sampling", "--adam_betas", "0.9", "0.95"])
+    saved = {"flags": {"model": None}}
+    with pytest.raises(UserError, match=r"^--resume: --model is '.*' but the run was started with None; leave --model out to resume it, or"):
+        check_resume_flags(saved, args, "sha")
+    saved = {"flags": {"dynamic_sampling": False}}
+    with pytest.raises(UserError, match=r"but the run was started with False; pass --no-dynamic_sampling to resume it, or"):
+        check_resume_flags(saved, args, "sha")
+    saved = {"flags": {"adam_betas": [0.9, 0.999]}}
+    with pytest.raises(UserError, match=r"pass --adam_betas 0\.9 0\.999 to resume it, or"):
+        check_resume_flags(saved, args, "sha")
+    from alignment.args import _as_given
+
+    assert _as_given("gradient_checkpointing", False) == "leave --gradient_checkpointing out"  # a store-true switch has no --no- form
+    assert _as_given("gradient_checkpointing", True) == "pass --gradient_checkpointing"

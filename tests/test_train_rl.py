@@ -96,7 +96,7 @@ def test_a_checkpoint_is_not_evaluated_for_a_run_with_other_training_flags(pipel
     before = weights_digest(checkpoint)
     with pytest.raises(UserError, match=r"^--learning_rate is 3e-05 but the policy in .*sweep/rl was trained with 0.0001, and train_rl only "
                                         r"evaluates a checkpoint that exists: pass another --checkpoint_path \(and --run_name\) to train "
-                                        r"this run, or --learning_rate 0.0001 \(or leave it out\) to evaluate that policy$"):
+                                        r"this run, or --learning_rate 0.0001 to evaluate that policy$"):
         train_rl.main(rl_flags(pipeline, "sweep_lr_3e-5", *flags, "--learning_rate", "3e-5"))
     with pytest.raises(UserError, match=r"^--seed is 2 but .* was trained with 42"):  # a seed sweep alike
         train_rl.main(rl_flags(pipeline, "sweep_seed_2", *flags, "--learning_rate", "1e-4", "--seed", "2"))
