@@ -73,6 +73,21 @@ def copy_identity(manifest: dict | None) -> str | None:
     return None if manifest is None else hashlib.sha256(json.dumps(manifest.get("files", {}), sort_keys=True).encode()).hexdigest()
 
 
+def folder_copy_identity(path, manifest: dict | None = None) -> str | None:
+    """Which copy of the model folder `path` is there now: its manifest's copy_identity (`manifest`, when the caller
+    read it already), else, for a folder without one of ours (a training state's policy/, a folder from elsewhere),
+    the SHA-256 of its files' names, sizes and modification times: any save into it differs, without reading
+    gigabytes. None when `path` is not a folder (a hub id)."""
+    manifest = manifest if manifest is not None else read_manifest(path)
+    if manifest is not None:
+        return copy_identity(manifest)
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    stats = {str(file.relative_to(path)): [(stat := file.stat()).st_size, stat.st_mtime_ns] for file in sorted(path.rglob("*")) if file.is_file()}
+    return "files:" + hashlib.sha256(json.dumps(stats, sort_keys=True).encode()).hexdigest()
+
+
 def _is_empty_folder(path: Path) -> bool:
     return path.is_dir() and not any(path.iterdir())
 

@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from alignment.args import build_eval_parser, check_checkpoint, parse_eval_args
-from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, copy_identity, log_folder_run_id, read_manifest,
+from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, folder_copy_identity, log_folder_run_id, read_manifest,
                                   run_logs, same_path, sft_run_in, start_over)
 from alignment.data import Gsm8kDataset, data_fingerprint
 from alignment.devices import resolve_device, resolve_dtype
@@ -171,17 +171,18 @@ def checkpoint_position(path) -> dict:
     return {key: saved[key] for key in ("step", "total_steps") if isinstance(saved.get(key), int)}
 
 
-def copy_record(manifest: dict | None) -> dict:
-    """What a metrics file records of the copy it graded ({"checkpoint_copy": copy_identity}), {} for a folder
-    without our manifest: a later evaluation into that file checks that the folder still holds that copy."""
-    identity = copy_identity(manifest)
+def copy_record(model_path, manifest: dict | None) -> dict:
+    """What a metrics file records of the copy of `model_path` it graded ({"checkpoint_copy": folder_copy_identity},
+    `manifest` the one read before its weights were), {} for a hub id: a later evaluation into that file checks
+    that the folder still holds that copy."""
+    identity = folder_copy_identity(model_path, manifest)
     return {"checkpoint_copy": identity} if identity else {}
 
 
 def check_same_copy(recorded: dict, model_path, where: str, keep: str, replace: str) -> None:
     """Refuse to overwrite the evaluation of an earlier copy of `model_path` (another SFT run, an epoch's policy later
     replaced by the next) with the copy's now there: the earlier one's results are all that is left of those weights."""
-    earlier, now = recorded.get("checkpoint_copy"), copy_identity(read_manifest(model_path))
+    earlier, now = recorded.get("checkpoint_copy"), folder_copy_identity(model_path)
     if earlier and now and earlier != now:
         step = recorded.get("checkpoint_step")
         of_step = f" (step {step} of {recorded.get('checkpoint_total_steps')})" if isinstance(step, int) else ""
@@ -236,7 +237,7 @@ def evaluate_checkpoint(args, setup: dict) -> dict:
     from alignment.devices import resolve_role_devices
 
     print(f"{args.checkpoint_path} already holds weights: evaluating it (no training)")
-    saved_at, graded = checkpoint_position(args.checkpoint_path), copy_record(read_manifest(args.checkpoint_path))
+    saved_at, graded = checkpoint_position(args.checkpoint_path), copy_record(args.checkpoint_path, read_manifest(args.checkpoint_path))
     if len(saved_at) == 2 and saved_at["step"] < saved_at["total_steps"]:
         print(f"note: {args.checkpoint_path} is the policy after step {saved_at['step']} of {saved_at['total_steps']} (an epoch's checkpoint of a run "
               f"that stopped before its end, with no training state to resume): not that run's result; {start_over(Path(args.log_dir) / args.run_name, args.checkpoint_path)} to train from the start")
@@ -476,7 +477,7 @@ def _evaluate(args, dataset, model_path, output_dir, engine, loaded) -> dict:
     # once left its samples beside the previous evaluation's metrics.json
     write_jsonl(output_dir / "samples.jsonl", metrics.pop("samples"))
     metrics.update(model_path=str(model_path), backend=args.backend, **evaluation_setup(args, metrics["num_examples"]),
-                   **{f"checkpoint_{key}": value for key, value in checkpoint_position(model_path).items()}, **copy_record(loaded))
+                   **{f"checkpoint_{key}": value for key, value in checkpoint_position(model_path).items()}, **copy_record(model_path, loaded))
     write_json(output_dir / "metrics.json", metrics)
     print(format_metrics_table(metrics, f"{model_path} on {args.split} ({args.backend})"))
     print(f"wrote {output_dir / 'metrics.json'} and {output_dir / 'samples.jsonl'}")

@@ -450,3 +450,29 @@ def test_evaluate_wants_one_output_folder_per_checkpoint(task, tmp_path):
     results = evaluate.main(["--model_path", str(twin), str(twin / "checkpoint-1"), "--output_dir", str(tmp_path / "a"), str(tmp_path / "c"),
                              "--max_tokens", "4", *base])
     assert [metrics["model_path"] for metrics in results] == [str(twin), str(twin / "checkpoint-1")]
+
+
+def test_an_evaluation_of_a_folder_without_a_manifest_is_kept_when_other_weights_are_saved_there(task, tmp_path):
+    """A training state's policy/ (its manifest is one level up) or any folder from elsewhere recorded no copy: evaluating
+    it after the next state was saved there replaced the only evaluation of the earlier step's weights."""
+    from transformers import AutoModelForCausalLM
+
+    from alignment.rollout import load_tokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(task.sft), load_tokenizer(task.sft)
+    folder = tmp_path / "rl.state" / "policy"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    argv = ["--model_path", str(folder), "--backend", "hf", "--data_dir", str(task.data), "--num_examples", "2", "--max_tokens", "4",
+            "--output_dir", str(tmp_path / "eval")]
+    first = evaluate.main(argv)
+    assert first["checkpoint_copy"].startswith("files:") and len(first["checkpoint_copy"]) == 70
+    assert evaluate.main(argv)["checkpoint_copy"] == first["checkpoint_copy"]  # the same copy again: replaced
+    written = (tmp_path / "eval" / "metrics.json").read_bytes()
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01)
+    model.save_pretrained(folder)  # the next state's weights
+    with pytest.raises(UserError, match=r"^--output_dir .*/eval \(metrics.json\) holds the evaluation of an earlier copy of .*rl.state/policy, whose "
+                                        r"weights were replaced since: pass another --output_dir to keep both"):
+        evaluate.main(argv)
+    assert (tmp_path / "eval" / "metrics.json").read_bytes() == written
