@@ -55,6 +55,16 @@ def main():
     from alignment.toy.tiny_model import build_tiny_checkpoint, r1_zero_whole_tokens
 
     out = Path(args.out)
+    names = args.variants.split(",")
+    if unknown := [name for name in names if name not in VARIANTS]:
+        raise SystemExit(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    # a variant's folders from an earlier call: train_rl would only evaluate its checkpoint, and this call's row replace that run's
+    if found := [str(path) for name in names for path in (out / name, out / "runs" / name) if path.exists()]:
+        raise SystemExit(f"--out {out}: {', '.join(found[:3])} already there (an earlier call's runs); pass a new --out, or move them away")
+    made = json.loads((out / "sft.json").read_text()) if (out / "sft.json").is_file() else None
+    if (out / "sft" / "config.json").is_file() and made != {**(made or {}), "seed": args.seed, "sft_flags": args.sft_flags}:
+        raise SystemExit(f"--out {out}: its SFT checkpoint was made with {made and {k: made[k] for k in ('seed', 'sft_flags')} or 'settings it does not record'}, "
+                         f"this call asks for --seed {args.seed} --sft_flags {args.sft_flags!r} (its data and base model too): pass a new --out")
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     if args.device == "cpu":
@@ -69,11 +79,12 @@ def main():
                    "--run_name", "sft", *CONFIG["sft"], *common, *args.sft_flags.split()]
         with open(out / "sft.log", "w") as log:
             subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
-    sft_seconds = time.perf_counter() - started
+        made = {"seed": args.seed, "sft_flags": args.sft_flags, "sft_seconds": time.perf_counter() - started}
+        (out / "sft.json").write_text(json.dumps(made) + "\n")
+    sft_seconds = made["sft_seconds"]  # a reused checkpoint's own time, not the time it took to find it
     sft_accuracy = re.findall(r"eval step \d+: accuracy ([\d.]+)", (out / "sft.log").read_text())
     print(f"SFT checkpoint {sft} ({sft_seconds:.0f}s); SFT-time greedy accuracy {sft_accuracy[-1] if sft_accuracy else '?'}", flush=True)
 
-    names = args.variants.split(",")
     per_engine = f"{0.5 / len(names):.3f}"
     processes = {}
     for name in names:
@@ -97,8 +108,10 @@ def main():
         log.close()
         text = (out / f"{name}.log").read_text()
         accuracy = {int(step): float(value) for step, value in re.findall(r"eval step (\d+): accuracy ([\d.]+)", text)}
-        rows.append({"variant": name, "flags": " ".join(VARIANTS[name]), "exit": code, "minutes": (time.perf_counter() - begun) / 60, "accuracy_by_step": accuracy})
+        rows.append({"variant": name, "flags": " ".join(VARIANTS[name]), "steps": args.steps, "exit": code, "minutes": (time.perf_counter() - begun) / 60, "accuracy_by_step": accuracy})
         print(f"{name:<22} exit {code}  " + " / ".join(f"{accuracy[s]:.3f}" if s in accuracy else "-" for s in sorted(accuracy)), flush=True)
+    earlier = json.loads((out / "learning.json").read_text())["rows"] if (out / "learning.json").is_file() else []
+    rows = [row for row in earlier if row["variant"] not in names] + rows  # an earlier call's variants stay (they ran from this SFT)
     summary = {"sft_seconds": sft_seconds, "sft_flags": args.sft_flags, "rl_flags": CONFIG["rl"], "steps": args.steps, "rows": rows,
                "minutes_total": (time.perf_counter() - started) / 60}
     (out / "learning.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -535,3 +535,25 @@ def test_trl_stopped_by_the_deadline_ends_after_its_round_and_saves_it(monkeypat
     clock.on_step_begin(None, SimpleNamespace(global_step=1), control)
     clock.on_step_end(None, SimpleNamespace(global_step=1), control)
     assert control.should_training_stop and not control.should_save
+
+
+def test_bench_learning_refuses_to_report_an_earlier_calls_runs_as_its_own(tmp_path):
+    """bench_learning into an --out that held a variant's run: train_rl only evaluated that checkpoint, so the row came
+    out empty and replaced learning.json with exit 0; another --seed reused the other seed's SFT checkpoint."""
+    def refused(*flags):
+        result = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "bench_learning.py"), "--out", str(tmp_path), "--device", "cpu", *flags],
+                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 1 and not result.stdout, result.stdout + result.stderr[-2000:]
+        return result.stderr.strip().splitlines()[-1]
+
+    assert refused("--variants", "lr1e-5_fp32_master,nope") == f"--variants: unknown nope; choose from {', '.join(['lr1e-5_fp32_master', 'lr1e-5_pure_bf16', 'lr2e-6_fp32_master', 'lr2e-6_pure_bf16', 'lr1e-5_all_fp32', 'demo', 'demo_fast'])}"
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    assert refused("--variants", "demo") == (f"--out {tmp_path}: {tmp_path / 'runs' / 'demo'} already there (an earlier call's runs); "
+                                             "pass a new --out, or move them away")
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "config.json").write_text("{}")
+    (tmp_path / "sft.json").write_text(json.dumps({"seed": 0, "sft_flags": "--no-fp32_master_weights", "sft_seconds": 12.0}))
+    assert refused("--variants", "lr2e-6_fp32_master", "--seed", "1") == (
+        f"--out {tmp_path}: its SFT checkpoint was made with {{'seed': 0, 'sft_flags': '--no-fp32_master_weights'}}, this call asks for "
+        f"--seed 1 --sft_flags '--no-fp32_master_weights' (its data and base model too): pass a new --out")
+    assert not (tmp_path / "data").exists() and not (tmp_path / "learning.json").exists()  # refused before any work
