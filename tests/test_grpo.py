@@ -217,3 +217,15 @@ def test_fraction_of_groups_all_right_counts_groups_solved_by_every_rollout():
     _, _, meta = compute_group_normalized_rewards(table_reward, responses, truths, 2, 1e-6, False)
     assert meta["fraction_groups_all_equal"] == pytest.approx(0.75)
     assert meta["fraction_groups_all_right"] == pytest.approx(0.5)
+
+
+def test_importance_weights_multiply_the_policy_gradient_term_only_not_the_kl():
+    """Guards: the KL term scaled by `importance_weights` too (or the PG term weighted twice). Hand values, one
+    sequence of 2 tokens, A = 1, weights [0.5, 2], kl_coef 0.5, ref [-1, -1] (r = ref - logp = [0, 1]):
+    per token 0.5 x 1 + 0 = 0.5 and 2 x 2 + 0.5 x (e - 1 - 1) = 4.3591409; mean over 2 tokens 2.4295705.
+    d/dlogp: -A x w / 2 = [-0.25, -1] plus 0.5 x (1 - e^r) / 2 = [0, -0.4295705]."""
+    log_probs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, _ = grpo_microbatch_train_step(log_probs, torch.ones(1, 2, dtype=torch.bool), 1, "reinforce_with_baseline", advantages=torch.tensor([[1.0]]),
+                                         kl_coef=0.5, ref_log_probs=torch.tensor([[-1.0, -1.0]]), importance_weights=torch.tensor([[0.5, 2.0]]))
+    assert loss.item() == pytest.approx((0.5 + 4.0 + 0.5 * (math.e - 2.0)) / 2, rel=1e-6)  # 2.4295705
+    assert log_probs.grad[0].tolist() == pytest.approx([-0.25, -1.0 + 0.5 * (1.0 - math.e) / 2], rel=1e-6)  # [-0.25, -1.4295705]

@@ -396,6 +396,15 @@ def test_mismatch_weights_token_and_sequence_modes():
         mismatch_weights(trainer, sampler, mask, "sequence_tis", 2.0, reweight=False)
 
 
+def test_masking_modes_keep_a_ratio_exactly_at_the_bounds():
+    """Guards: the mask's bounds made strict (1/c < rho < c). At --tis_cap 1 the only kept ratio is exactly 1, so a
+    trainer equal to the sampler keeps weight 1 (and mask 1) on every response token, in both masking modes."""
+    trainer, _, mask = _mismatch_case()
+    for mode in ("token_mask", "sequence_mask"):
+        assert mismatch_weights(trainer, trainer, mask, mode, cap=1.0)[mask].tolist() == [1.0] * int(mask.sum()), mode
+        assert mismatch_weights(trainer, trainer, mask, mode, cap=1.0, reweight=False)[mask].tolist() == [1.0] * int(mask.sum()), mode
+
+
 def test_tis_mode_is_todays_token_tis_bit_for_bit():
     trainer, sampler, mask = _mismatch_case()
     assert torch.equal(mismatch_weights(trainer, sampler, mask, "tis", 2.0), torch.exp(trainer - sampler).clamp(max=2.0))
@@ -448,15 +457,15 @@ def test_update_settings_defaults_are_todays_behaviour():
     assert (settings.kl_estimator, settings.kl_in, settings.entropy_coef, settings.mismatch_correction) == ("k3", "loss", 0.0, "tis")
 
 
-def test_overlong_mask_gives_truncated_rows_zero_loss_weight(tiny_model_and_tokenizer):
-    """update_policy with row 1 out of the loss: half of row 0's loss and gradient (the mean is over 2 rows)."""
+def _masked_and_alone_steps(base, tokenizer, **changes):
+    """update_policy (SGD, lr 1, no clipping) on two rows with row 1 out of the loss (--overlong mask), and on row 0
+    alone: each run's totals and weight change."""
     import copy
 
     from alignment.optim import build_scheduler
     from alignment.policy_update import sequence_lengths, update_policy
     from alignment.sft_helpers import tokenize_rollouts
 
-    base, tokenizer = tiny_model_and_tokenizer
     prompts = ["User: Ava has 3 apples.\nAssistant: <think>", "User: Ben has 9 pens.\nAssistant: <think>"]
     batch = {**tokenize_rollouts(prompts, [" 3 + 2 = 5 </answer>", " 9 9 9 9 9 9"], tokenizer),
              "raw_rewards": torch.tensor([1.0, 0.0]), "advantages": torch.tensor([1.0, -1.0]), "in_loss": torch.tensor([True, False])}
@@ -467,14 +476,28 @@ def test_overlong_mask_gives_truncated_rows_zero_loss_weight(tiny_model_and_toke
     for rows, one_batch in ((2, batch), (1, only_first)):
         model = copy.deepcopy(base)
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        settings = update_settings(train_batch_size=rows, train_mini_batch_size=rows, loss_type="reinforce_with_baseline", max_grad_norm=1e9)
+        settings = update_settings(train_batch_size=rows, train_mini_batch_size=rows, loss_type="reinforce_with_baseline", max_grad_norm=1e9, **changes)
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
         totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), one_batch, settings, "cpu")
         results.append((totals, torch.cat([p.detach().flatten() for p in model.parameters()]) - before))
-    (masked, masked_step), (alone, alone_step) = results
+    return results
+
+
+def test_overlong_mask_gives_truncated_rows_zero_loss_weight(tiny_model_and_tokenizer):
+    """update_policy with row 1 out of the loss: half of row 0's loss and gradient (the mean is over 2 rows)."""
+    (masked, masked_step), (alone, alone_step) = _masked_and_alone_steps(*tiny_model_and_tokenizer)
     assert masked["loss"] == pytest.approx(0.5 * alone["loss"], rel=1e-5)
     assert torch.allclose(masked_step, 0.5 * alone_step, atol=1e-7)
     assert masked["entropy"] > 0  # entropy stays measured on every response token
+
+
+def test_overlong_mask_under_token_mean_counts_only_the_tokens_in_the_loss(tiny_model_and_tokenizer):
+    """Guards: token_mean's normaliser counting the tokens of rows the --overlong mask keeps out of the loss. The step's
+    loss is its summed token loss over its token count in the loss: row 0's tokens only, so the masked two-row step
+    equals the row-0-alone step exactly (counting row 1's tokens too would shrink it)."""
+    (masked, masked_step), (alone, alone_step) = _masked_and_alone_steps(*tiny_model_and_tokenizer, length_normalization="token_mean")
+    assert masked["loss"] == pytest.approx(alone["loss"], rel=1e-5) and alone["loss"] != 0
+    assert alone_step.norm() > 1e-3 and torch.allclose(masked_step, alone_step, atol=1e-7)
 
 
 # ------------------------------------------------------------------ pass@k

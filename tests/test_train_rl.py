@@ -452,6 +452,31 @@ def test_each_rollout_batch_gets_its_own_shuffle(pipeline):
     assert not torch.allclose(finals[0], finals[2])  # another step, another order
 
 
+def test_each_pass_over_a_rollout_batch_gets_its_own_shuffle(monkeypatch):
+    """Guards: the shuffle re-seeded at every pass (--epochs_per_rollout_batch 2 would cut the batch into the same
+    optimizer steps twice). 8 rows, steps of 2: each pass splits the rows into 4 pairs, all 8 rows once, and the
+    second pass's pairs are not the first's, at every rollout step."""
+    from alignment import policy_update
+
+    seen = []
+
+    def record(model, batch, rows, *args):  # no forward: only which rows each microbatch gets
+        seen.append(tuple(sorted(rows)))
+        return torch.ones((), dtype=torch.bool)
+
+    monkeypatch.setattr(policy_update, "_train_microbatch", record)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = {"input_ids": torch.zeros(8, 1, dtype=torch.long), "response_mask": torch.ones(8, 1, dtype=torch.bool), "lengths": [1] * 8}
+    args = update_settings(epochs_per_rollout_batch=2, train_batch_size=2, train_mini_batch_size=2)
+    for step in (0, 1, 2):
+        seen.clear()
+        update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, args, "cpu", step=step)
+        first, second = set(seen[:4]), set(seen[4:])
+        assert len(seen) == 8 and sorted(sum(first, ())) == sorted(sum(second, ())) == list(range(8))
+        assert first != second, f"step {step}: both passes cut the batch into the same optimizer steps {sorted(first)}"
+
+
 def test_a_tokenizer_source_other_than_the_checkpoints_is_refused(tmp_path):
     """--model (the tokenizer source) was never checked: a folder without a tokenizer gave a traceback from
     transformers, and another model's tokenizer trained the policy and was saved beside weights it does not fit."""

@@ -16,7 +16,7 @@ from alignment.args import parse_rl_args
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.policy_update import UpdateSettings, sequence_lengths, update_policy
 from alignment.sft_helpers import tokenize_rollouts
-from conftest import make_tiny_task, parity_reward, steps_log, train_rl_flags
+from conftest import make_tiny_task, parity_reward, steps_log, train_rl_flags, update_settings
 
 
 @pytest.fixture(scope="module")
@@ -320,3 +320,114 @@ def test_each_rollout_step_samples_with_its_own_seed(task, monkeypatch):
         runs.append(drawn)
     assert len(runs[0]) == 2 and runs[0][0] != runs[0][1]  # step 2 drew other rollouts of the same prompts
     assert runs[1] == runs[0]  # and a run repeats its draws
+
+
+# ------------------------------------------------------------ update_policy against a naive autograd step
+
+
+def naive_sgd_step(base, batch, per_token_loss) -> torch.Tensor:
+    """The weight change of one plain SGD step at lr 1 on the loss written out by hand: a full forward,
+    log_softmax + gather, `per_token_loss(log_probs, logits, rows)` (N, T), its mean over each response, mean over rows."""
+    model = copy.deepcopy(base)
+    logits = model(input_ids=batch["input_ids"]).logits.float()
+    log_probs = torch.log_softmax(logits, -1).gather(-1, batch["labels"][..., None]).squeeze(-1)
+    mask = batch["response_mask"]
+    per_token = torch.where(mask, per_token_loss(log_probs, logits, torch.arange(len(mask))), torch.zeros(()))
+    (per_token.sum(-1) / mask.sum(-1)).mean().backward()
+    return torch.cat([-p.grad.flatten() for p in model.parameters()])
+
+
+def update_policy_step(base, batch, settings) -> tuple[torch.Tensor, dict]:
+    """The weight change of update_policy with plain SGD at lr 1 (no clipping), and its totals."""
+    model = copy.deepcopy(base)
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), batch, settings, "cpu")
+    return torch.cat([p.detach().flatten() for p in model.parameters()]) - before, totals
+
+
+def test_grpo_clip_one_step_off_takes_its_ratio_against_the_sampler_without_a_tis_weight(tiny_model_and_tokenizer, monkeypatch):
+    """Guards: token TIS applied on top of a ratio loss one step off (the `old is None` condition dropped). The sampler
+    scored every response token 0.1 nats below the trainer: grpo_clip's ratio e^0.1 (inside the clip range) already
+    corrects for it, so no importance weight reaches the loss and the step is the naive -min(r A, clip(r) A) step;
+    a TIS weight would scale it by another e^0.1."""
+    base, tokenizer = tiny_model_and_tokenizer
+    batch = small_batch(tokenizer)
+    sampler = trainer_log_probs(base, batch) - 0.1
+    batch["sampler_log_probs"] = torch.where(batch["response_mask"], sampler, torch.tensor(float("nan")))
+    calls = record_microbatch_steps(monkeypatch)
+    settings = update_settings(loss_type="grpo_clip", one_step_off=True, train_batch_size=4, train_mini_batch_size=4, max_grad_norm=1e9)
+    moved, _ = update_policy_step(base, batch, settings)
+    assert len(calls) == 1 and calls[0]["importance_weights"] is None and calls[0]["old_log_probs"] is not None
+
+    def clipped_ratio_loss(log_probs, logits, rows):
+        ratio = torch.exp(log_probs - sampler)
+        advantages = batch["advantages"][rows, None]
+        return -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
+
+    expected = naive_sgd_step(base, batch, clipped_ratio_loss)
+    assert expected.norm() > 1e-3 and (moved - expected).norm() < 1e-4 * expected.norm()
+
+
+def test_entropy_bonus_gradient_moves_the_weights_as_the_naive_entropy_term(tiny_model_and_tokenizer):
+    """Guards: the entropy computed without a gradient under --entropy_coef (entropy_grad off): with every advantage 0
+    the only gradient is the bonus -0.1 x H(softmax(logits)), so the step must equal the naive autograd step of that
+    term (a detached entropy would leave the weights where they were)."""
+    base, tokenizer = tiny_model_and_tokenizer
+    batch = small_batch(tokenizer)
+    batch["advantages"] = torch.zeros(4)
+    settings = update_settings(loss_type="reinforce_with_baseline", entropy_coef=0.1, train_batch_size=4, train_mini_batch_size=4, max_grad_norm=1e9)
+    moved, totals = update_policy_step(base, batch, settings)
+
+    def entropy_bonus(log_probs, logits, rows):
+        return 0.1 * (torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)  # -0.1 x entropy
+
+    expected = naive_sgd_step(base, batch, entropy_bonus)
+    assert expected.norm() > 1e-3 and (moved - expected).norm() < 1e-4 * expected.norm()
+    assert totals["entropy_bonus"] > 0
+
+
+def test_no_baseline_learns_from_the_raw_rewards_not_the_advantages(tiny_model_and_tokenizer):
+    """Guards: no_baseline given the advantages instead of the raw rewards. Rewards [1, 0, 1, 0] with every advantage
+    0: the step must equal the naive step of -reward x logp (advantages would give no step at all)."""
+    base, tokenizer = tiny_model_and_tokenizer
+    batch = small_batch(tokenizer)
+    batch["advantages"] = torch.zeros(4)
+    settings = update_settings(loss_type="no_baseline", train_batch_size=4, train_mini_batch_size=2, max_grad_norm=1e9)
+    moved, _ = update_policy_step(base, batch, settings)
+    expected = naive_sgd_step(base, batch, lambda log_probs, logits, rows: -batch["raw_rewards"][rows, None] * log_probs)
+    assert expected.norm() > 1e-3 and (moved - expected).norm() < 1e-4 * expected.norm()
+
+
+@pytest.mark.parametrize("chunk_size", [0, 3])  # the naive path and the fused, chunked one
+def test_score_with_scores_at_the_temperature_it_is_given(tiny_model_and_tokenizer, chunk_size):
+    """Guards: score_with ignoring `temperature` (the reference and old-policy passes would score at 1 what the update
+    scores at --sampling_temperature). At 0.5 its log-probs equal log_softmax(logits / 0.5) gathered at the labels."""
+    model, tokenizer = tiny_model_and_tokenizer
+    batch = small_batch(tokenizer)
+    mask = batch["response_mask"]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+    naive = {t: torch.log_softmax(logits / t, -1).gather(-1, batch["labels"][..., None]).squeeze(-1)[mask] for t in (0.5, 1.0)}
+    scored = policy_update.score_with(model, batch, 2, "cpu", chunk_size=chunk_size, temperature=0.5)[mask]
+    assert torch.allclose(scored, naive[0.5], atol=1e-5)
+    assert (naive[0.5] - naive[1.0]).abs().max() > 0.1
+
+
+def test_a_new_peak_learning_rate_keeps_the_schedules_factor():
+    """Guards: set_peak_learning_rate writing the new peak itself into the optimizer (the resumed warm-up jumps).
+    Warm-up over 4 steps at peak 1e-3, 2 steps taken: the factor is (2 + 1) / 4 = 0.75, so a new peak 2e-3 gives
+    1.5e-3 now, then 2e-3 once the warm-up ends (factor 1 from step 3)."""
+    from alignment.optim import set_peak_learning_rate
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = build_scheduler(optimizer, 4, 10)
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(7.5e-4)
+    set_peak_learning_rate(optimizer, scheduler, 2e-3)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1.5e-3) and scheduler.get_last_lr() == pytest.approx([1.5e-3])
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)
