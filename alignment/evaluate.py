@@ -171,11 +171,9 @@ def checkpoint_position(path) -> dict:
     return {key: saved[key] for key in ("step", "total_steps") if isinstance(saved.get(key), int)}
 
 
-def copy_record(model_path, manifest: dict | None) -> dict:
-    """What a metrics file records of the copy of `model_path` it graded ({"checkpoint_copy": folder_copy_identity},
-    `manifest` the one read before its weights were), {} for a hub id: a later evaluation into that file checks
-    that the folder still holds that copy."""
-    identity = folder_copy_identity(model_path, manifest)
+def copy_record(identity: str | None) -> dict:
+    """What a metrics file records of the copy it graded ({"checkpoint_copy": folder_copy_identity, taken before the
+    weights were read}), {} for a hub id: a later evaluation into that file checks that the folder still holds that copy."""
     return {"checkpoint_copy": identity} if identity else {}
 
 
@@ -237,7 +235,7 @@ def evaluate_checkpoint(args, setup: dict) -> dict:
     from alignment.devices import resolve_role_devices
 
     print(f"{args.checkpoint_path} already holds weights: evaluating it (no training)")
-    saved_at, graded = checkpoint_position(args.checkpoint_path), copy_record(args.checkpoint_path, read_manifest(args.checkpoint_path))
+    saved_at, graded = checkpoint_position(args.checkpoint_path), copy_record(folder_copy_identity(args.checkpoint_path))
     if len(saved_at) == 2 and saved_at["step"] < saved_at["total_steps"]:
         print(f"note: {args.checkpoint_path} is the policy after step {saved_at['step']} of {saved_at['total_steps']} (an epoch's checkpoint of a run "
               f"that stopped before its end, with no training state to resume): not that run's result; {start_over(Path(args.log_dir) / args.run_name, args.checkpoint_path)} to train from the start")
@@ -416,16 +414,17 @@ def _evaluate_group(args, dataset, models, output_dirs) -> dict | list[dict]:
     are loaded into it in place. One checkpoint: its metrics; several: theirs, in order."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    loaded = read_manifest(models[0])  # the copy the engine loads (its step, its files); None for a folder from elsewhere
+    # the copy the engine loads: its manifest (its step; None for a folder from elsewhere) and its identity, both read before its weights
+    loaded, copy = read_manifest(models[0]), folder_copy_identity(models[0])
     engine = build_engine(args.backend, models[0], device, dtype, args.seed, args)
     results = []
     try:
         for index, (model, output_dir) in enumerate(zip(models, output_dirs, strict=True)):
             if index:
-                loaded = read_manifest(model)
+                loaded, copy = read_manifest(model), folder_copy_identity(model)
                 engine.load_weights(checkpoint_tensors(model))
                 print(f"loaded {model} into the engine of {models[0]}", flush=True)
-            results.append(_evaluate(args, dataset, model, output_dir, engine, loaded))
+            results.append(_evaluate(args, dataset, model, output_dir, engine, loaded, copy))
     finally:
         engine.close()
     return results[0] if len(results) == 1 else results
@@ -463,21 +462,23 @@ def engine_fingerprint(folder):
             [without(folder / name, {"padding_side", "truncation_side"}) for name in ("tokenizer_config.json", "special_tokens_map.json")])
 
 
-def _evaluate(args, dataset, model_path, output_dir, engine, loaded) -> dict:
-    """Grade `engine` (holding `model_path`'s weights, whose manifest was `loaded` before they were read) and write the results."""
+def _evaluate(args, dataset, model_path, output_dir, engine, loaded, copy) -> dict:
+    """Grade `engine` (holding `model_path`'s weights, whose manifest was `loaded` and whose copy was `copy` before they
+    were read) and write the results."""
     import torch
 
     torch.manual_seed(args.seed)
     metrics = evaluate_math(engine, r1_zero_reward_fn, dataset.prompts, dataset.ground_truths, SamplingSettings.from_args(args, ""))
     metrics = add_pass_at_k(metrics, engine, dataset.prompts, dataset.ground_truths, args, "")
-    if loaded is not None and read_manifest(model_path) != loaded:  # a run of --num_epochs N saved its next epoch there meanwhile
+    # a run of --num_epochs N saved its next epoch there meanwhile, or a run its next training state (a folder without our manifest)
+    if (loaded is not None and read_manifest(model_path) != loaded) or folder_copy_identity(model_path) != copy:
         raise UserError(f"--model_path {model_path} was replaced while it was evaluated (a run saved into it), so these results "
                         f"would be recorded under the new copy's step; evaluate it again (nothing was written)")
     # both files at the end, one after the other: an evaluation stopped in its pass@k sampling (minutes)
     # once left its samples beside the previous evaluation's metrics.json
     write_jsonl(output_dir / "samples.jsonl", metrics.pop("samples"))
     metrics.update(model_path=str(model_path), backend=args.backend, **evaluation_setup(args, metrics["num_examples"]),
-                   **{f"checkpoint_{key}": value for key, value in checkpoint_position(model_path).items()}, **copy_record(model_path, loaded))
+                   **{f"checkpoint_{key}": value for key, value in checkpoint_position(model_path).items()}, **copy_record(copy))
     write_json(output_dir / "metrics.json", metrics)
     print(format_metrics_table(metrics, f"{model_path} on {args.split} ({args.backend})"))
     print(f"wrote {output_dir / 'metrics.json'} and {output_dir / 'samples.jsonl'}")

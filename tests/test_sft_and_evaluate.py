@@ -476,3 +476,31 @@ def test_an_evaluation_of_a_folder_without_a_manifest_is_kept_when_other_weights
                                         r"weights were replaced since: pass another --output_dir to keep both"):
         evaluate.main(argv)
     assert (tmp_path / "eval" / "metrics.json").read_bytes() == written
+
+
+def test_a_folder_without_a_manifest_replaced_during_its_evaluation_is_not_recorded(task, tmp_path, monkeypatch):
+    """A training state's policy/ saved anew while it was evaluated: the copy was identified after generation, so the
+    results of the earlier weights were recorded as the new copy's, and the next evaluation replaced them unnoticed."""
+    from transformers import AutoModelForCausalLM
+
+    from alignment.rollout import load_tokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(task.sft), load_tokenizer(task.sft)
+    folder = tmp_path / "rl.state" / "policy"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    real_evaluate_math = evaluate.evaluate_math
+
+    def next_state_saved_meanwhile(*args, **kwargs):
+        metrics = real_evaluate_math(*args, **kwargs)
+        with torch.no_grad():
+            model.lm_head.weight.add_(0.01)
+        model.save_pretrained(folder)
+        return metrics
+
+    monkeypatch.setattr(evaluate, "evaluate_math", next_state_saved_meanwhile)
+    argv = ["--model_path", str(folder), "--backend", "hf", "--data_dir", str(task.data), "--num_examples", "2", "--max_tokens", "4",
+            "--output_dir", str(tmp_path / "eval")]
+    with pytest.raises(UserError, match=r"^--model_path .*rl.state/policy was replaced while it was evaluated"):
+        evaluate.main(argv)
+    assert not (tmp_path / "eval" / "metrics.json").exists()
