@@ -531,7 +531,8 @@ def check_resume_flags(saved: dict, args, train_data_sha256: str, start_checkpoi
 
     Raises UserError for a record that is not there (an older version's state), a changed
     run-defining flag, changed training data or a changed start checkpoint; returns one line
-    per other flag that changed (those take effect).
+    per other flag that changed (those take effect), and per input folder that moved with the
+    files the run recorded (its fingerprint, not its path, is what the run depends on).
     """
     if not isinstance(saved.get("flags"), dict):
         raise UserError(f"--resume: the training state in {args.state_dir} records no flags (an older version wrote it), so a changed flag "
@@ -541,8 +542,15 @@ def check_resume_flags(saved: dict, args, train_data_sha256: str, start_checkpoi
     derived = set(saved.get("derived_flags", [])) | set(getattr(args, "derived_flags", []))
     # the flags a user sets first: a changed --sampling_max_tokens is named, not the
     # --length_normalization_constant derived from it
+    # a folder moved (another mount point, a renamed experiment) whose contents are the ones the run recorded: the same input
+    same_contents = {"sft_checkpoint_path": saved.get("start_checkpoint_sha256") is not None and saved.get("start_checkpoint_sha256") == start_checkpoint_sha256,
+                     "data_dir": saved.get("train_data_sha256") is not None and saved.get("train_data_sha256") == train_data_sha256}
+    moved = []
     for key in sorted(RUN_DEFINING_FLAGS, key=lambda name: name in derived):
         if key in flags and flags[key] != _plain(getattr(args, key)):
+            if same_contents.get(key):
+                moved.append(f"--{key} {getattr(args, key)} (the run had {flags[key]}; the same files)")
+                continue
             raise UserError(
                 f"--resume: --{key} is {_plain(getattr(args, key))!r} but the run was started with {flags[key]!r}; "
                 f"{_as_given(key, flags[key])} to resume it, or start a new run with another --checkpoint_path"
@@ -554,7 +562,7 @@ def check_resume_flags(saved: dict, args, train_data_sha256: str, start_checkpoi
         raise UserError(f"--resume: the start checkpoint (--sft_checkpoint_path {args.sft_checkpoint_path or 'default'}) holds other files than "
                         "when the run started, so the KL reference (and a frozen sampler) would be another model; restore it, "
                         "or start a new run with another --checkpoint_path")
-    return [
+    return moved + [
         f"--{key} {_plain(getattr(args, key))} (the run had {flags[key]})"
         for key in sorted(flags)
         if key not in RUN_DEFINING_FLAGS and hasattr(args, key) and flags[key] != _plain(getattr(args, key))

@@ -1186,3 +1186,27 @@ def test_a_save_refused_by_a_file_added_mid_run_goes_beside_the_checkpoint(tmp_p
         assert {k: read_manifest(diverted)[k] for k in ("kind", "step", "total_steps")} == {"kind": "rl_checkpoint", "step": step, "total_steps": 6}
         verify_manifest(diverted, "the diverted checkpoint")
     assert json.loads((task.root / "runs" / "added" / "final_eval_metrics.json").read_text())["step"] == 6
+
+
+def test_a_stopped_run_resumes_after_its_folders_moved(tmp_path, monkeypatch, capsys):
+    """The start checkpoint's and the data's paths were compared as strings: after `mv exp exp_moved` (or a cluster's new
+    mount point) --resume was refused, and its advice (pass the old path) named a folder that no longer exists."""
+    from types import SimpleNamespace
+
+    task = make_tiny_task(tmp_path / "exp", num_train=16, num_test=4, seed=6)
+    interrupted_run(task, "moved", monkeypatch)
+    shutil.move(tmp_path / "exp", tmp_path / "exp_moved")
+    moved = SimpleNamespace(root=tmp_path / "exp_moved", data=tmp_path / "exp_moved" / "data", sft=tmp_path / "exp_moved" / "sft")
+    capsys.readouterr()
+    train_rl.main(flags(moved, "moved", "--save_state_every", "1", "--resume"))
+    out = capsys.readouterr().out
+    assert re.search(r"resume: --sft_checkpoint_path .*exp_moved/sft \(the run had .*exp/sft; the same files\) takes effect", out)
+    assert re.search(r"resume: --data_dir .*exp_moved/data \(the run had .*exp/data; the same files\) takes effect", out)
+    assert [s["step"] for s in steps_log(moved, "moved")] == [1, 2, 3]
+    # a moved folder with other contents is still another input
+    interrupted_run(moved, "edited", monkeypatch)
+    shutil.move(moved.data, tmp_path / "data2")
+    train_file = tmp_path / "data2" / "train.jsonl"
+    train_file.write_text("\n".join(reversed(train_file.read_text().splitlines())) + "\n")
+    with pytest.raises(UserError, match=r"--resume: --data_dir is '.*data2' but the run was started with '.*exp_moved/data'"):
+        train_rl.main([*flags(moved, "edited", "--save_state_every", "1", "--resume"), "--data_dir", str(tmp_path / "data2")])
