@@ -125,8 +125,12 @@ def test_the_demo_clears_only_folders_it_wrote(tmp_path):
     for name in ("sft", "eval_base", "eval_sft", "eval_rl"):
         (tmp_path / "mine" / name).mkdir(exist_ok=True)
         (tmp_path / "mine" / name / "metrics.json").write_text("{}")
+    # and the last run's summary, figure and stage logs: a rerun failing part way left them describing weights that were gone
+    for name in ("summary.json", "curves.png", "train_rl.log", "eval_rl.log", "notes.txt"):
+        (tmp_path / "mine" / name).write_text("last run")
     demo.clear_earlier_run(tmp_path / "mine", tmp_path / "mine_ck")
     assert sorted(path.name for path in (tmp_path / "mine").iterdir() if path.is_dir()) == []
+    assert sorted(path.name for path in (tmp_path / "mine").iterdir() if path.is_file() and not path.name.startswith(".")) == ["notes.txt"]
 
 
 def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path, capsys):

@@ -177,8 +177,8 @@ def vllm_available() -> bool:
 
 
 def clear_earlier_run(out: Path, checkpoints: Path) -> None:
-    """A rerun starts clean: no old weights (only folders this tool wrote are removed), no old curves or
-    evaluations (an evaluation of the earlier run's checkpoint is kept from the new one's: evaluate.check_same_copy);
+    """A rerun starts clean: no old weights (only folders this tool wrote are removed), no old summary, curves,
+    stage logs or evaluations (an evaluation of the earlier run's checkpoint is kept from the new one's: evaluate.check_same_copy);
     under the stages' locks, so that a demo still running on these paths is named, not cleared away."""
     from alignment.checkpoint import OutputLock, remove_output
 
@@ -189,6 +189,9 @@ def clear_earlier_run(out: Path, checkpoints: Path) -> None:
             remove_output(stale, kind)
         for stale in stale_logs:
             shutil.rmtree(stale, ignore_errors=True)
+        # the last run's results and stage logs: a rerun that fails part way must not leave them beside its own new stages
+        for name in ("summary.json", "curves.png", *(f"{stage}.log" for stage in ("eval_base", "eval_sft", "eval_rl", "train_sft", "train_rl"))):
+            (out / name).unlink(missing_ok=True)
 
 
 def main(argv=None) -> dict:
