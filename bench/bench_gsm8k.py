@@ -223,11 +223,12 @@ def main():
     if not args.sft_eval and not args.summarize_only and stands_for_sft is None:
         raise SystemExit(f"--no-sft_eval: every run of this call changes how it evaluates ({', '.join(EVALUATION_FLAGS)}), so none of their "
                          "step-0 evaluations is SFT's as the recipe makes it: drop --no-recipe, add a variant without those flags, or drop --no-sft_eval")
-    if args.summarize_only:  # the GPUs and RL settings the runs had (this call's flags may differ), our run only where it ran
+    if args.summarize_only:  # our run only where it ran
         earlier = summary_runs(args.out, False, [])[1]
         before = json.loads((args.out / "summary.json").read_text()) if (args.out / "summary.json").is_file() else {}
         ours_run = args.rl_run if (args.out / "runs" / args.rl_run / "steps.jsonl").is_file() else None
-        write_summary(args.out, args.model, before.get("gpus", args.gpus), before.get("rl_settings", rl), ours_run, args.trl_dir,
+        # the model, GPUs and RL settings the runs had: this call's --model may be a placeholder, or the folder renamed since
+        write_summary(args.out, before.get("model", args.model), before.get("gpus", args.gpus), before.get("rl_settings", rl), ours_run, args.trl_dir,
                       [name for name in earlier if name != ours_run])
         return
     # before SFT and our runs, not after them; an earlier run's evaluations (eval_trl_<step>) would be summarised as the new one's

@@ -557,3 +557,23 @@ def test_bench_learning_refuses_to_report_an_earlier_calls_runs_as_its_own(tmp_p
         f"--out {tmp_path}: its SFT checkpoint was made with {{'seed': 0, 'sft_flags': '--no-fp32_master_weights'}}, this call asks for "
         f"--seed 1 --sft_flags '--no-fp32_master_weights' (its data and base model too): pass a new --out")
     assert not (tmp_path / "data").exists() and not (tmp_path / "learning.json").exists()  # refused before any work
+
+
+def test_gsm8k_summary_again_keeps_the_base_evaluation_of_the_model_the_runs_had(tmp_path):
+    """--summarize_only with RL started from SFT checked eval_base against this call's --model (a placeholder, or the
+    model folder renamed since): the base's row was dropped from summary.json, and "model" rewritten."""
+    out = tmp_path / "gsm8k"
+    metrics = {"avg_all_rewards": 0.5, "format_reward": 0.9, "mean_response_tokens": 100, "num_examples": 8, "model_path": str(out / "sft")}
+    base_model = str(tmp_path / "models" / "qwen15")
+    for stage, accuracy, path in (("eval_sft", 0.5, str(out / "sft")), ("eval_base", 0.1, base_model)):
+        (out / stage).mkdir(parents=True)
+        (out / stage / "metrics.json").write_text(json.dumps({**metrics, "avg_all_rewards": accuracy, "model_path": path}))
+    (out / "rl_start.json").write_text(json.dumps({"rl_start": "sft", "path": str(out / "sft")}))
+    (out / "summary.json").write_text(json.dumps({"model": base_model, "gpus": "0", "rl_settings": {"learning_rate": 2e-6}}))
+    (out / "trl").mkdir()
+    (out / "trl" / "steps.jsonl").write_text(json.dumps({"step": 1, "rollout_step": 1, "step_seconds": 2.0, "elapsed_seconds": 2.0, "timers": {}}) + "\n")
+    result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", "models/renamed", "--out", str(out), "--summarize_only", "--no-recipe"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == base_model and summary["eval_base"]["avg_all_rewards"] == 0.1 and summary["eval_sft"]["avg_all_rewards"] == 0.5
