@@ -25,6 +25,9 @@ from pathlib import Path
 from alignment.errors import UserError, run_cli
 
 
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg")
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Rows of a jsonl file; a line cut short by a crash is skipped."""
     rows = []
@@ -82,17 +85,32 @@ def _results_runs(path: Path, name: str | None) -> list[tuple[str, str, list, li
     return [(run_name, f"{path.stem}/{run_name}", run["steps"], run.get("evals") or []) for run_name, run in runs.items() if name in (None, run_name)]
 
 
+def distinct_suffixes(paths: list[Path]) -> list[str]:
+    """For each folder, the fewest trailing parts of its path ("a/runs/rl") that no other of `paths` ends with:
+    bench outputs' run folders all end in runs/rl, so their parent alone does not tell them apart."""
+    parts = [Path(path).resolve().parts for path in paths]
+    suffixes = []
+    for index, own in enumerate(parts):
+        count = 1
+        while count < len(own) and any(other[-count:] == own[-count:] for at, other in enumerate(parts) if at != index and other != own):
+            count += 1
+        suffixes.append("/".join(own[-max(count, 2):]))
+    return suffixes
+
+
 def load_runs(sources) -> list[tuple[str, list, list]]:
     """(label, steps, evals) for every run the sources name: train_rl run folders, results files
-    (FILE.json: all its runs; FILE.json:NAME: one). Labels are run names, made longer (parent
-    folder or file) where two would be the same."""
+    (FILE.json: all its runs; FILE.json:NAME: one). Labels are run names, made longer (as many
+    parent folders as tell them apart, or the file) where two would be the same."""
     runs = []
+    folders = [path for path, _ in map(_split_source, sources) if not _is_results_file(path)]
+    longer = dict(zip(map(str, folders), distinct_suffixes(folders)))
     for source in sources:
         path, name = _split_source(source)
         if _is_results_file(path):
             runs += _results_runs(path, name)
         else:
-            runs.append((path.name, f"{path.parent.name}/{path.name}", _steps_of(path), read_jsonl(path / "evals.jsonl")))
+            runs.append((path.name, longer[str(path)], _steps_of(path), read_jsonl(path / "evals.jsonl")))
     names = [label for label, *_ in runs]
     return [(label if names.count(label) == 1 else longer, steps, evals) for label, longer, steps, evals in runs]
 
@@ -179,17 +197,18 @@ def plot_run(run_dir, out=None, start_eval: dict | None = None) -> Path:
 def comparison_path(sources) -> Path:
     """Where a comparison goes without --out: compare_<a>_vs_<b>.png, named for its runs so that another
     comparison does not replace it, beside the first run folder (runs/ when all are results files, which
-    sit among tracked files). Run folders of one name (bench outputs' runs/rl) are named with their parent
-    folder, and a name cut to length ends in a hash of the whole, as load_runs labels them apart."""
+    sit among tracked files). Run folders of one name (bench outputs' runs/rl) are named with as many parent
+    folders as tell them apart, and a name cut to length ends in a hash of the whole, as load_runs labels them apart."""
     split = [_split_source(source) for source in sources]
     short = [path.name for path, _ in split if not _is_results_file(path)]
+    folders = [path for path, _ in split if not _is_results_file(path)]
+    longer = dict(zip(map(str, folders), distinct_suffixes(folders)))
     names = []
     for path, name in split:
         if _is_results_file(path):
             names.append(path.stem + (f"_{name}" if name else ""))
         else:
-            names.append(path.name if short.count(path.name) == 1 else f"{path.parent.name}_{path.name}")
-    folders = [path for path, _ in split if not _is_results_file(path)]
+            names.append(path.name if short.count(path.name) == 1 else longer[str(path)].replace("/", "_"))
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", "_vs_".join(names))
     if len(stem) > 120:
         stem = f"{stem[:111]}_{hashlib.sha256(stem.encode()).hexdigest()[:8]}"
@@ -202,6 +221,8 @@ def main(argv=None) -> Path:
                                                    "also a results file, FILE.json (all its runs) or FILE.json:NAME")
     parser.add_argument("--out", default=None, help="PNG to write; default <run_dir>/curves.png, for several runs compare_<run>_vs_<run>.png beside the first run's folder (runs/ for results files alone)")
     args = parser.parse_args(argv)
+    if args.out and Path(args.out).suffix.lower() not in IMAGE_SUFFIXES:
+        raise UserError(f"--out {args.out}: name an image file ending in {', '.join(IMAGE_SUFFIXES)} (the figure's format follows the name)")
     first = _split_source(args.run_dir[0])[0]
     if len(args.run_dir) == 1 and not _is_results_file(first):
         out = plot_run(first, args.out)

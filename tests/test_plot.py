@@ -99,3 +99,21 @@ def test_runs_come_from_folders_and_from_a_benchmarks_results_file(tmp_path, mon
     (tmp_path / "torn.json").write_text('{"runs": {"a"')
     with pytest.raises(UserError, match="torn.json is not a results file that can be read"):
         main([str(tmp_path / "torn.json")])
+
+
+def test_bench_runs_of_one_name_get_their_own_comparison_and_labels(tmp_path):
+    """Two bench outputs' runs (gsm8k_A/runs/rl, gsm8k_B/runs/rl): named and labelled by their parent alone, both
+    were "runs/rl", so A vs C replaced A vs B's figure and the legend could not tell the lines apart."""
+    from alignment.plot import load_runs
+
+    runs = []
+    for out in ("gsm8k_A", "gsm8k_B", "gsm8k_C"):
+        run = tmp_path / out / "runs" / "rl"
+        run.mkdir(parents=True)
+        (run / "steps.jsonl").write_text(json.dumps({"step": 1, "perf/step_seconds": 3.0, "train/reward": 0.5}) + "\n")
+        runs.append(str(run))
+    assert [label for label, *_ in load_runs(runs[:2])] == ["gsm8k_A/runs/rl", "gsm8k_B/runs/rl"]
+    first, second = comparison_path(runs[:2]), comparison_path([runs[0], runs[2]])
+    assert first == tmp_path / "gsm8k_A" / "runs" / "compare_gsm8k_A_runs_rl_vs_gsm8k_B_runs_rl.png" and second != first
+    with pytest.raises(UserError, match=r"^--out notes.txt: name an image file ending in .png, .pdf, .svg, .jpg"):
+        main([*runs[:2], "--out", "notes.txt"])
