@@ -1,4 +1,4 @@
-"""The embedded default: the whole pipeline on a 2-core CPU in 5-12 minutes, where RL visibly learns.
+"""The embedded default: the whole pipeline on a 2-core CPU in ~5-6 minutes, where RL visibly learns.
 
     make demo                      # or: python -m alignment.toy.demo
     tensorboard --logdir runs/demo
