@@ -339,9 +339,24 @@ def _check_objective_variants(args) -> None:
     if args.mismatch_correction == "sequence_tis" and args.loss_type in RATIO_LOSSES:
         raise UserError(f"--mismatch_correction sequence_tis reweights the REINFORCE losses; --loss_type {args.loss_type} has the ratio "
                         "already: use token_mask or sequence_mask")
+    # flags given for a setting the run does not use: refused, so that a run is never taken for what it is not
+    given = set(getattr(args, "given_flags", []))
+    if "length_normalization_constant" in given and args.length_normalization != "constant":
+        raise UserError(f"--length_normalization_constant {args.length_normalization_constant:g} divides the summed loss under --length_normalization "
+                        f"constant only (got {args.length_normalization}): add --length_normalization constant, or drop the flag")
+    if "tis_cap" in given and not args.rollout_staleness:
+        raise UserError(f"--tis_cap {args.tis_cap:g} caps the importance weights of rollouts sampled ahead: it needs --rollout_staleness >= 1, or drop the flag")
+    if "max_sampling_rounds" in given and not args.dynamic_sampling:
+        raise UserError(f"--max_sampling_rounds {args.max_sampling_rounds} bounds --dynamic_sampling's extra rounds: add --dynamic_sampling, or drop the flag")
+    if unused := [flag for flag in ("cliprange", "cliprange_high", "old_policy") if flag in given and args.loss_type not in RATIO_LOSSES]:
+        # a note, not a refusal: a sweep's variant switching --loss_type keeps the recipe's clip flags
+        print(f"note: --{' and --'.join(unused)} act on the ratio losses ({_RATIO_NAMES}) only: --loss_type {args.loss_type} does not use them")
     if args.eval_samples_temperature is None:
         args.eval_samples_temperature = args.sampling_temperature
     check_pass_at_k(args, "eval_")
+    if args.sampling_temperature == 0 and args.group_size > 1:
+        raise UserError(f"--sampling_temperature 0 samples one greedy response {args.group_size} times a prompt (--group_size): every group ties, "
+                        "so no step has an advantage to learn from; use a temperature above 0")
 
 
 def _add_rl_evaluation_and_logging(parser) -> None:

@@ -13,7 +13,11 @@ def build_optimizer(model, learning_rate: float, weight_decay: float, betas=(0.9
 
 
 def build_scheduler(optimizer, warmup_steps: int, total_steps: int, schedule: str = "constant") -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up, then constant or cosine decay to 10% of the peak by `total_steps`."""
+    """Linear warm-up, then constant or cosine decay to 10% of the peak by `total_steps`. A warm-up longer than the
+    run (it counts optimizer steps, not rollout steps) is noted: the rate never reaches its peak."""
+    if warmup_steps > total_steps > 0:
+        print(f"note: --warmup_steps {warmup_steps} is longer than the run's {total_steps} optimizer steps: "
+              f"the learning rate ends at {total_steps / warmup_steps:.1%} of its peak")
 
     def factor(step: int) -> float:
         if warmup_steps and step < warmup_steps:

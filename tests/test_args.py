@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from alignment import evaluate, train_rl, train_sft
 from alignment.args import parse_rl_args
@@ -283,3 +284,33 @@ def test_the_evaluation_penalty_follows_the_rollouts_unless_eval_repetition_pena
         with pytest.raises(RuntimeError, match="not run"):
             evaluate_in_subprocess(tmp_path / "rl_tmp", args, tmp_path / "eval", "cpu")
     assert [command[command.index("--repetition_penalty") + 1] for command in commands] == ["1.1", "1.0"]
+
+
+def test_flags_for_a_setting_the_run_does_not_use_are_refused_or_noted(tmp_path, capsys):
+    """Each was accepted without a word: a constant for another normalisation (the run is not Dr. GRPO), a TIS cap
+    with nothing sampled ahead, a round limit without dynamic sampling, clip flags on a loss without a ratio, greedy
+    rollouts (every group ties: nothing to learn), a warm-up longer than the run."""
+    from alignment.errors import UserError
+    from alignment.optim import build_scheduler
+
+    data = write_synthetic_gsm8k(tmp_path / "data", num_train=8, num_test=4, seed=0)
+    base = ["--data_dir", str(data)]
+    for flags, message in (
+        (["--length_normalization", "mean", "--length_normalization_constant", "5"], r"^--length_normalization_constant 5 divides the summed loss under --length_normalization constant only \(got mean\)"),
+        (["--tis_cap", "0.5"], r"^--tis_cap 0.5 caps the importance weights of rollouts sampled ahead: it needs --rollout_staleness >= 1"),
+        (["--max_sampling_rounds", "7"], r"^--max_sampling_rounds 7 bounds --dynamic_sampling's extra rounds: add --dynamic_sampling"),
+        (["--sampling_temperature", "0"], r"^--sampling_temperature 0 samples one greedy response 8 times a prompt \(--group_size\): every group ties"),
+    ):
+        with pytest.raises(UserError, match=message):
+            parse_rl_args(base + flags)
+    parse_rl_args(base + ["--length_normalization", "constant", "--length_normalization_constant", "5", "--dynamic_sampling", "--max_sampling_rounds", "7"])
+    capsys.readouterr()
+    parse_rl_args(base + ["--loss_type", "reinforce_with_baseline", "--cliprange", "0.3", "--cliprange_high", "0.4"])
+    assert "note: --cliprange and --cliprange_high act on the ratio losses (" in capsys.readouterr().out
+    parse_rl_args(base + ["--cliprange", "0.3"])  # grpo_clip: no note
+    assert "note" not in capsys.readouterr().out
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    build_scheduler(optimizer, 1000, 2)
+    assert capsys.readouterr().out == "note: --warmup_steps 1000 is longer than the run's 2 optimizer steps: the learning rate ends at 0.2% of its peak\n"
+    build_scheduler(optimizer, 2, 2)
+    assert capsys.readouterr().out == ""
