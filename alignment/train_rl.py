@@ -184,7 +184,11 @@ def load_prompts(args, tokenizer, base_model_checkpoint_path) -> tuple[Gsm8kData
     if args.dynamic_sampling and args.dynamic_sampling_prompts > len(dataset):  # a round draws that many distinct prompts
         raise UserError(f"--dynamic_sampling_prompts {args.dynamic_sampling_prompts} exceeds the {len(dataset)} training prompts")
     steps_per_epoch = len(dataset) // args.rollout_batch_size
-    return dataset, eval_set, steps_per_epoch, min(args.max_steps or steps_per_epoch * args.num_epochs, steps_per_epoch * args.num_epochs)
+    planned = steps_per_epoch * args.num_epochs
+    if args.max_steps and args.max_steps > planned and os.environ.get("RANK", "0") == "0":
+        print(f"note: --max_steps {args.max_steps} is more than --num_epochs {args.num_epochs} x {steps_per_epoch} steps an epoch "
+              f"({len(dataset)} prompts / --rollout_batch_size {args.rollout_batch_size}): the run ends at step {planned}; raise --num_epochs to train longer")
+    return dataset, eval_set, steps_per_epoch, min(args.max_steps or planned, planned)
 
 
 def build_models(args, base_model_checkpoint_path, state, policy_version: int, roles, dtype, policy_dtype, tokenizer, ranks, say):

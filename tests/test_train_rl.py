@@ -495,3 +495,17 @@ def test_a_tokenizer_source_other_than_the_checkpoints_is_refused(tmp_path):
     from alignment.rollout import check_same_tokenizer, load_tokenizer
 
     check_same_tokenizer(load_tokenizer(task.sft), task.sft, task.sft, "--model")  # its own tokenizer passes
+
+
+def test_max_steps_beyond_the_epochs_is_noted(tmp_path, capsys):
+    """--max_steps 5 with 2 steps an epoch and --num_epochs 1: the run ended at step 2 without a word."""
+    from alignment.rollout import load_tokenizer
+
+    task = make_tiny_task(tmp_path, num_train=8, num_test=4, seed=1)
+    args = train_rl.parse_rl_args(train_rl_flags(task, "capped", "--max_steps", "5", "--num_epochs", "1"))
+    capsys.readouterr()
+    assert train_rl.load_prompts(args, load_tokenizer(task.sft), task.sft)[2:] == (2, 2)
+    assert capsys.readouterr().out == ("note: --max_steps 5 is more than --num_epochs 1 x 2 steps an epoch (8 prompts / --rollout_batch_size 4): "
+                                       "the run ends at step 2; raise --num_epochs to train longer\n")
+    args = train_rl.parse_rl_args(train_rl_flags(task, "capped", "--max_steps", "5", "--num_epochs", "3"))
+    assert train_rl.load_prompts(args, load_tokenizer(task.sft), task.sft)[2:] == (2, 5) and "note" not in capsys.readouterr().out
