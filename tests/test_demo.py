@@ -170,3 +170,15 @@ def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path, capsy
     assert (tmp_path / "checkpoints" / "rl" / "config.json").is_file()
     assert list((tmp_path / "runs" / "rl").glob("events.out.tfevents.*"))
     assert (tmp_path / "runs" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the picture of the RL run
+
+
+def test_the_demos_counts_and_seed_are_checked_before_anything_is_cleared(tmp_path, capsys):
+    """--num_train -5 wrote 10 problems, --num_test -10 an empty test file (then advice to re-download GSM8K), 0 steps or
+    epochs fell back to the defaults, and --seed -1 failed after the last demo's results had been cleared."""
+    from alignment.toy import demo
+
+    for flag, value in (("--num_train", "-5"), ("--num_test", "-10"), ("--rl_steps", "0"), ("--sft_epochs", "0"), ("--seed", "-1")):
+        with pytest.raises(SystemExit) as refused:
+            demo.main(["--out", str(tmp_path / "runs"), "--checkpoints", str(tmp_path / "ck"), flag, value])
+        assert refused.value.code == 2 and f"argument {flag}: must be" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "ck").exists()

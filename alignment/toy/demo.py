@@ -47,6 +47,7 @@ import threading
 import time
 from pathlib import Path
 
+from alignment.args import _positive_int, _seed
 from alignment.errors import UserError, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `alignment` package
@@ -198,14 +199,14 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m alignment.toy.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/demo", help="folder for summary.json, logs and TensorBoard events")
     parser.add_argument("--checkpoints", default="checkpoints/demo", help="folder for the base, SFT and RL checkpoints")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the task, the model and training")
+    parser.add_argument("--seed", type=_seed, default=0, help="seed for the task, the model and training")
     parser.add_argument("--backend", choices=["auto", "vllm", "hf"], default="auto", help="train_rl's rollout backend; auto = vLLM when importable")
     parser.add_argument("--eval_backend", choices=["vllm", "hf"], default="hf",
                         help="the evaluate runs' backend: hf by default, as fast as vLLM on this model once started and 7 s quicker to start on a CPU")
-    parser.add_argument("--rl_steps", type=int, default=None, help="override the RL step count (CI runs a shrunken demo)")
-    parser.add_argument("--sft_epochs", type=int, default=None, help="override the SFT epochs")
-    parser.add_argument("--num_train", type=int, default=None, help="override the number of training problems (SFT demonstrations and RL prompts)")
-    parser.add_argument("--num_test", type=int, default=None, help="override the number of held-out problems")
+    parser.add_argument("--rl_steps", type=_positive_int, default=None, help="override the RL step count (CI runs a shrunken demo)")
+    parser.add_argument("--sft_epochs", type=_positive_int, default=None, help="override the SFT epochs")
+    parser.add_argument("--num_train", type=_positive_int, default=None, help="override the number of training problems (SFT demonstrations and RL prompts)")
+    parser.add_argument("--num_test", type=_positive_int, default=None, help="override the number of held-out problems")
     parser.add_argument("--rl_extra", default="", help="more train_rl flags for the RL stage, space-separated (e.g. --rl_extra=--pack_sequences)")
     args = parser.parse_args(argv)
 
