@@ -102,15 +102,16 @@ def _read_rows(path: Path) -> list[dict]:
                 raise UserError(f"{where}: the row is {len(raw) / 2**20:.1f} MiB (at most {MAX_ROW_BYTES // 2**20} MiB: GSM8K's are under 2 KB, and no "
                                 "model's context holds such a prompt); shorten or remove that row")
             try:
-                text = raw.decode("utf-8")
+                text = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")  # a byte-order mark (Windows editors) opens the file
             except UnicodeDecodeError as error:
                 raise UserError(f"{where}: not valid UTF-8 ({error.reason} at byte {error.start}); re-download the file") from None
             if not text.strip():
                 continue
             try:
                 row = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise UserError(f"{where}: not a JSON object ({error.msg}); the file may be truncated, re-download it") from None
+            except (ValueError, RecursionError) as error:  # beside bad JSON: an integer past Python's digit limit, nesting past its stack
+                reason = error.msg if isinstance(error, json.JSONDecodeError) else str(error).splitlines()[0]
+                raise UserError(f"{where}: not a JSON object ({reason}); the file may be truncated, re-download it") from None
             if not isinstance(row, dict):
                 raise UserError(f"{where}: expected a JSON object with 'question' and 'answer'")
             for key in ("question", "answer"):

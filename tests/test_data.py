@@ -116,6 +116,18 @@ def test_malformed_files_name_file_and_line(tmp_path, content, message):
         load_gsm8k("train", tmp_path)
 
 
+def test_a_byte_order_mark_and_json_past_pythons_limits_are_read_or_named(tmp_path):
+    """A file saved by a Windows editor opens with a byte-order mark: its first row was called truncated, with advice to
+    re-download. An integer of more than 4,300 digits, or nesting past the stack, were a traceback from json."""
+    _write(tmp_path, "train", b"\xef\xbb\xbf" + GOOD + GOOD)
+    assert [row["ground_truth"] for row in load_gsm8k("train", tmp_path)] == ["3", "3"]
+    for content, message in ((GOOD + b'{"question": "q?", "answer": "#### 1", "id": ' + b"9" * 5000 + b"}\n", r"train.jsonl:2: not a JSON object \(Exceeds the limit"),
+                             (GOOD + b"[" * 200_000 + b"]" * 200_000 + b"\n", r"train.jsonl:2: not a JSON object \(")):
+        _write(tmp_path, "train", content)
+        with pytest.raises(UserError, match=message):
+            load_gsm8k("train", tmp_path)
+
+
 def test_missing_file_tells_the_download_command(tmp_path):
     with pytest.raises(UserError, match=r"python -m alignment.data download --data_dir"):
         load_gsm8k("test", tmp_path / "nowhere")
