@@ -140,11 +140,7 @@ def plot_runs(sources, out) -> Path:
         axis.grid(alpha=0.3)
     axes[0, 1].legend(fontsize=7)
     figure.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=80)
-    plt.close(figure)
-    return out
+    return _save(figure, Path(out))
 
 
 def plot_run(run_dir, out=None, start_eval: dict | None = None) -> Path:
@@ -187,10 +183,20 @@ def plot_run(run_dir, out=None, start_eval: dict | None = None) -> Path:
             axis.text(0.5, 0.5, "not logged", ha="center", va="center", transform=axis.transAxes, color="gray")
     figure.suptitle(str(run_dir), fontsize=10)
     figure.tight_layout()
-    out = Path(out) if out else run_dir / "curves.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=80)
-    plt.close(figure)
+    return _save(figure, Path(out) if out else run_dir / "curves.png")
+
+
+def _save(figure, out: Path) -> Path:
+    """Write the figure to `out`; a place it cannot go (under a file, a folder of that name, no permission) is one line."""
+    import matplotlib.pyplot as plt
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(out, dpi=80)
+    except OSError as error:
+        raise UserError(f"cannot write the figure to {out} ({error.strerror or error}); pass --out a writable .png path") from None
+    finally:
+        plt.close(figure)
     return out
 
 

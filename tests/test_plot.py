@@ -1,6 +1,7 @@
 """`python -m alignment.plot`: a run folder's steps.jsonl and evals.jsonl become one PNG."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -117,3 +118,16 @@ def test_bench_runs_of_one_name_get_their_own_comparison_and_labels(tmp_path):
     assert first == tmp_path / "gsm8k_A" / "runs" / "compare_gsm8k_A_runs_rl_vs_gsm8k_B_runs_rl.png" and second != first
     with pytest.raises(UserError, match=r"^--out notes.txt: name an image file ending in .png, .pdf, .svg, .jpg"):
         main([*runs[:2], "--out", "notes.txt"])
+
+
+def test_a_figure_that_cannot_be_written_is_one_line(tmp_path):
+    """--out under a regular file, or naming a folder: FileExistsError and IsADirectoryError tracebacks from matplotlib."""
+    run = tmp_path / "rl"
+    run.mkdir()
+    (run / "steps.jsonl").write_text(json.dumps({"step": 1, "perf/step_seconds": 3.0, "train/reward": 0.5}) + "\n")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "folder.png").mkdir()
+    for out in (tmp_path / "afile" / "x.png", tmp_path / "folder.png"):
+        with pytest.raises(UserError, match=rf"^cannot write the figure to {re.escape(str(out))} \(.*\); pass --out a writable .png path$"):
+            main([str(run), "--out", str(out)])
+    assert main([str(run), "--out", str(tmp_path / "ok.png")]) == tmp_path / "ok.png"
