@@ -30,14 +30,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from alignment.args import build_eval_parser, check_checkpoint, parse_eval_args
+from alignment.args import build_eval_parser, check_checkpoint, model_context_length, parse_eval_args
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_saved_model, claim_log_folder, folder_copy_identity, log_folder_run_id, read_manifest,
                                   run_logs, same_path, sft_run_in, start_over)
 from alignment.data import Gsm8kDataset, data_fingerprint
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
 from alignment.errors import UserError, run_cli
-from alignment.rollout import TOKENIZER_FILES, SamplingSettings, build_engine, check_model_folder, checkpoint_tensors, repetition_penalty_of
+from alignment.rollout import TOKENIZER_FILES, SamplingSettings, build_engine, check_model_folder, checkpoint_tensors, load_tokenizer, repetition_penalty_of
 
 
 def evaluate_math(llm, reward_fn, prompts: list[str], ground_truths: list[str], sampling_params: SamplingSettings, samples_path=None) -> dict:
@@ -302,6 +302,9 @@ def main(argv=None) -> dict | list[dict]:
         check_saved_model(model, "it cannot be evaluated; restore it or pass another --model_path")
         check_model_folder(model, "--model_path")
     dataset = Gsm8kDataset(args.split, args.data_dir, limit=args.num_examples)
+    for model in models:  # a prompt that cannot fit is one line naming its row, as in train_rl, not the engine's error
+        if context := model_context_length(model):
+            dataset.check_prompt_lengths(load_tokenizer(model, "--model_path"), context, args.max_tokens, "--max_tokens")
     groups = engine_groups(models)
     with OutputLock([(output_dir, "--output_dir") for output_dir in output_dirs]):  # two evaluations never write one folder at once
         for model, output_dir in zip(models, output_dirs, strict=True):

@@ -369,6 +369,15 @@ def test_a_prompt_longer_than_the_context_names_its_row_before_any_model_loads(t
     with pytest.raises(UserError, match=r"train.jsonl:3: the prompt is \d+ tokens; with --sampling_max_tokens 16 it does not fit the model's \d+-token context"):
         train_rl.main(flags(task, "long_prompt"))
     assert time.perf_counter() - started < 30
+    # alignment.evaluate alike: it had no check, and the engine's own error (or minutes of HF generation) came instead
+    test_file = task.data / "test.jsonl"
+    rows = test_file.read_text().splitlines()
+    rows[1] = json.dumps({**json.loads(rows[1]), "question": "How many apples? " * 400})  # past the tiny model's context
+    test_file.write_text("\n".join(rows) + "\n")
+    with pytest.raises(UserError, match=r"test.jsonl:2: the prompt is \d+ tokens; with --max_tokens 16 it does not fit the model's \d+-token context"):
+        evaluate.main(["--model_path", str(task.sft), "--backend", "hf", "--data_dir", str(task.data), "--max_tokens", "16",
+                       "--output_dir", str(tmp_path / "eval_long")])
+    assert not (tmp_path / "eval_long").exists()
 
 
 def test_unwritable_output_locations_fail_at_start_up(pipeline):
