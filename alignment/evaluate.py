@@ -455,7 +455,10 @@ def engine_fingerprint(folder):
     def without(path, ignored):
         if not path.is_file():
             return None
-        value = json.loads(path.read_text())
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise UserError(f"--model_path {folder}: {path.name} cannot be read as JSON ({getattr(error, 'msg', None) or error}); fix or restore it") from None
         return {key: item for key, item in value.items() if key not in ignored} if isinstance(value, dict) else value
 
     return (without(folder / "config.json", {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}),

@@ -409,6 +409,9 @@ def test_several_checkpoints_share_an_engine_only_when_it_fits_them(task, tmp_pa
     generation = json.loads((later / "generation_config.json").read_text())
     (later / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [generation["eos_token_id"], 5]}))
     assert not evaluate.same_engine_model(task.sft, later)  # vLLM would stop at the first checkpoint's end tokens
+    (later / "generation_config.json").write_text(json.dumps(generation)[:-1] + ",}")  # a trailing comma, edited by hand: a json traceback before
+    with pytest.raises(UserError, match=r"^--model_path .*later: generation_config.json cannot be read as JSON \(.*\); fix or restore it$"):
+        evaluate.same_engine_model(task.sft, later)
     (later / "generation_config.json").write_text(json.dumps(generation))
     # sharded, its index listing the files: loaded from the index's files only (a stale file beside them is not read)
     from safetensors.torch import save_file
