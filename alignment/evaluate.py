@@ -418,13 +418,15 @@ def _evaluate_group(args, dataset, models, output_dirs) -> dict | list[dict]:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     # the copy the engine loads: its manifest (its step; None for a folder from elsewhere) and its identity, both read before its weights
-    loaded, copy = read_manifest(models[0]), folder_copy_identity(models[0])
+    loaded = read_manifest(models[0])
+    copy = folder_copy_identity(models[0], loaded)
     engine = build_engine(args.backend, models[0], device, dtype, args.seed, args)
     results = []
     try:
         for index, (model, output_dir) in enumerate(zip(models, output_dirs, strict=True)):
             if index:
-                loaded, copy = read_manifest(model), folder_copy_identity(model)
+                loaded = read_manifest(model)
+                copy = folder_copy_identity(model, loaded)
                 engine.load_weights(checkpoint_tensors(model))
                 print(f"loaded {model} into the engine of {models[0]}", flush=True)
             results.append(_evaluate(args, dataset, model, output_dir, engine, loaded, copy))
@@ -477,7 +479,8 @@ def _evaluate(args, dataset, model_path, output_dir, engine, loaded, copy) -> di
     metrics = evaluate_math(engine, r1_zero_reward_fn, dataset.prompts, dataset.ground_truths, SamplingSettings.from_args(args, ""))
     metrics = add_pass_at_k(metrics, engine, dataset.prompts, dataset.ground_truths, args, "")
     # a run of --num_epochs N saved its next epoch there meanwhile, or a run its next training state (a folder without our manifest)
-    if (loaded is not None and read_manifest(model_path) != loaded) or folder_copy_identity(model_path) != copy:
+    now = read_manifest(model_path)
+    if (loaded is not None and now != loaded) or folder_copy_identity(model_path, now) != copy:
         raise UserError(f"--model_path {model_path} was replaced while it was evaluated (a run saved into it), so these results "
                         f"would be recorded under the new copy's step; evaluate it again (nothing was written)")
     # both files at the end, one after the other: an evaluation stopped in its pass@k sampling (minutes)

@@ -206,8 +206,8 @@ def comparison_path(sources) -> Path:
     sit among tracked files). Run folders of one name (bench outputs' runs/rl) are named with as many parent
     folders as tell them apart, and a name cut to length ends in a hash of the whole, as load_runs labels them apart."""
     split = [_split_source(source) for source in sources]
-    short = [path.name for path, _ in split if not _is_results_file(path)]
     folders = [path for path, _ in split if not _is_results_file(path)]
+    short = [path.name for path in folders]
     longer = dict(zip(map(str, folders), distinct_suffixes(folders)))
     names = []
     for path, name in split:

@@ -184,14 +184,15 @@ def clear_earlier_run(out: Path, checkpoints: Path) -> None:
     from alignment.checkpoint import OutputLock, remove_output
 
     stale_checkpoints = ((checkpoints / "sft", "sft_checkpoint"), (checkpoints / "rl", "rl_checkpoint"), (checkpoints / "rl.state", "training_state"))
-    stale_logs = [out / name for name in ("sft", "rl", "eval_base", "eval_sft", "eval_rl")]
+    evaluations = ("eval_base", "eval_sft", "eval_rl")
+    stale_logs = [out / name for name in ("sft", "rl", *evaluations)]
     with OutputLock([(path, "--checkpoints") for path, _ in stale_checkpoints] + [(path, "--out") for path in stale_logs]):
         for stale, kind in stale_checkpoints:
             remove_output(stale, kind)
         for stale in stale_logs:
             shutil.rmtree(stale, ignore_errors=True)
         # the last run's results and stage logs: a rerun that fails part way must not leave them beside its own new stages
-        for name in ("summary.json", "curves.png", *(f"{stage}.log" for stage in ("eval_base", "eval_sft", "eval_rl", "train_sft", "train_rl"))):
+        for name in ("summary.json", "curves.png", *(f"{stage}.log" for stage in (*evaluations, "train_sft", "train_rl"))):
             (out / name).unlink(missing_ok=True)
 
 
