@@ -9,6 +9,7 @@ r1_zero prompts come out near Qwen's ~150 tokens.
 import json
 import math
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,6 +62,9 @@ def build_checkpoint(path, tiny: bool, data_dir=None, seed: int = 0) -> Path:
     path = Path(path)
     if (path / "config.json").is_file():
         return path
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise SystemExit(f"{path} is not a model folder (no config.json) and not empty: the random-init model is built in a new or "
+                         "empty folder; pass another path, or move that one away")
     questions = gsm8k_questions(data_dir)
     texts = [format_r1_zero_prompt(q) for q in questions]
     tokenizer = train_byte_level_tokenizer(texts, vocab_size=512 if tiny else 8192)
@@ -82,10 +86,15 @@ def build_checkpoint(path, tiny: bool, data_dir=None, seed: int = 0) -> Path:
         dtype = torch.bfloat16
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eos_token_id}))
+    # built beside `path` and renamed into place: a build cut short never counts as the cache
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eos_token_id}))
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+    partial.rename(path)
     return path
 
 

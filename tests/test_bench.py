@@ -577,3 +577,32 @@ def test_gsm8k_summary_again_keeps_the_base_evaluation_of_the_model_the_runs_had
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == base_model and summary["eval_base"]["avg_all_rewards"] == 0.1 and summary["eval_sft"]["avg_all_rewards"] == 0.5
+
+
+def test_bench_model_cache_never_takes_a_cut_short_build_and_never_writes_into_a_users_folder(monkeypatch, tmp_path):
+    sys.path.insert(0, str(REPO_ROOT / "bench"))
+    import common
+    from transformers import PreTrainedModel
+
+    cache = tmp_path / "model_tiny"
+    real_save = PreTrainedModel.save_pretrained
+
+    def cut_short(self, folder, *args, **kwargs):
+        real_save(self, folder, *args, **kwargs)
+        raise KeyboardInterrupt  # stopped after the weights, before the tokenizer
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        common.build_checkpoint(cache, tiny=True)
+    assert not (cache / "config.json").exists()  # the next call builds it again instead of loading half a model
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", real_save)
+    built = common.build_checkpoint(cache, tiny=True)
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in built.iterdir()}
+    assert (built / "model.safetensors").stat().st_size > 0
+
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "notes.txt").write_text("keep")
+    with pytest.raises(SystemExit, match="not a model folder .* move that one away"):
+        common.build_checkpoint(users, tiny=True)
+    assert [p.name for p in users.iterdir()] == ["notes.txt"]
