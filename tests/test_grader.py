@@ -256,10 +256,13 @@ def test_gsm8k_gold_off_by_one_scores_format_only(gsm8k_gold):
 
 
 def test_batch_helper_matches_serial_calls_in_order(caplog):
-    cases = [(respond(answer), truth) for answer, truth in EQUIVALENT + NOT_EQUIVALENT]
+    # the format cases too: the batch path checks the format itself before any answer is compared, and an
+    # unformatted response whose answer is right (a missing </answer>, a bare "18") must stay unrewarded there
+    cases = [(respond(answer), truth) for answer, truth in EQUIVALENT + NOT_EQUIVALENT] + [(response, truth) for response, truth, _ in FORMAT_CASES]
     cases = (cases * (300 // len(cases) + 1))[:300]  # above POOL_MIN_BATCH, so workers are used
     responses, truths = zip(*cases)
     expected = [r1_zero_reward_fn(response, truth) for response, truth in cases]
+    assert expected.count(UNFORMATTED) >= 7 * (300 // len(cases))
     assert grade_responses(responses, truths, num_workers=2) == expected
     assert "grading pool failed" not in caplog.text  # the workers did the grading, not the serial fallback
     assert grade_responses(responses, truths, num_workers=1) == expected

@@ -306,8 +306,9 @@ def test_dynamic_sampling_never_samples_a_prompt_twice_in_a_step():
         for rank in (0, 1):
             ranks = SimpleNamespace(rank=rank, world_size=2, gather=lambda items, own=own: list(own), any_true=bool, mean=float, sum=float)
             sampler = _RecordingSampler()
-            sample_and_grade(args, sampler, dataset, step, own[2 * rank : 2 * rank + 2], [], None, (), ranks, {}, never)
+            kept = sample_and_grade(args, sampler, dataset, step, own[2 * rank : 2 * rank + 2], [], None, (), ranks, {}, never)
             shares.append(sampler.calls)
+            assert len(kept[0]) == len(kept[2]) == 2 * args.group_size  # this rank's share of the batch, not the whole batch's groups
         assert shares[0][0] == own[:2] + single[0][4:6] and shares[1][0] == own[2:] + single[0][6:]
         assert all(shares[0][k] == single[k][:4] and shares[1][k] == single[k][4:] for k in (1, 2, 3))
     # a split too small for the rounds: the shuffle starts over, each round still has its full count
@@ -540,6 +541,17 @@ def test_pass_at_k_samples_each_problem_n_times_at_its_own_temperature():
     assert metrics["sampled_accuracy"] == pytest.approx(1 / 6) and metrics["avg_all_rewards"] == 0.5
     args.samples = 0
     assert add_pass_at_k({"avg_all_rewards": 0.5}, engine, ["a"], ["5"], args, "") == {"avg_all_rewards": 0.5}
+
+
+def test_pass_at_k_grades_each_sample_against_its_own_problems_answer():
+    """Problem a's samples all answer 5 (a's truth), problem b's answer 7, 9, 7 (b's truth 7): counts [3, 2], which
+    only the truths repeated per problem (a, a, a, b, b, b) give; tiled (a, b, a, b, ...) they give [2, 2]."""
+    class AnsweringEngine:
+        def generate(self, prompts, sampling):
+            answers = {"a": iter("555"), "b": iter("797")}
+            return [Generation(f" so </think> <answer> {next(answers[prompt])} </answer>", 3, [1, 2, 3]) for prompt in prompts]
+
+    assert correct_counts(AnsweringEngine(), evaluate.r1_zero_reward_fn, ["a", "b"], ["5", "7"], None, 3) == [3, 2]
 
 
 # ------------------------------------------------------------------ flags

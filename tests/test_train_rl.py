@@ -509,3 +509,91 @@ def test_max_steps_beyond_the_epochs_is_noted(tmp_path, capsys):
                                        "the run ends at step 2; raise --num_epochs to train longer\n")
     args = train_rl.parse_rl_args(train_rl_flags(task, "capped", "--max_steps", "5", "--num_epochs", "3"))
     assert train_rl.load_prompts(args, load_tokenizer(task.sft), task.sft)[2:] == (2, 5) and "note" not in capsys.readouterr().out
+
+
+def _flag_args(**flags):
+    """Rollout and evaluation flags set apart, so that one read in the other's place shows."""
+    from argparse import Namespace
+
+    return Namespace(sampling_temperature=1.0, sampling_top_p=0.9, sampling_min_tokens=4, sampling_max_tokens=12,
+                     eval_temperature=0.0, eval_top_p=1.0, eval_min_tokens=0, eval_max_tokens=20, repetition_penalty=1.1, eval_repetition_penalty=1.0,
+                     **flags)
+
+
+def test_in_process_evaluations_sample_with_the_eval_flags_not_the_rollouts(monkeypatch):
+    """Greedy evaluations (--eval_temperature 0) beside rollouts at temperature 1: both in-process paths (the HF
+    engine, and the rollout engine given the policy's weights) hand evaluate_math the --eval_ settings."""
+    from types import SimpleNamespace
+
+    from alignment.distributed import SingleProcess
+
+    seen = []
+    monkeypatch.setattr(train_rl, "evaluate_math", lambda engine, reward_fn, prompts, truths, sampling: seen.append(sampling) or {"samples": []})
+    monkeypatch.setattr(train_rl, "HfEngine", lambda *args, **kwargs: "hf engine")
+    eval_set = SimpleNamespace(prompts=["p"], ground_truths=["1"])
+    args = _flag_args(rollout_backend="hf", eval_engine="sampler", rollout_sync_every=1, hf_batch_size=2, dtype="float32")
+    train_rl.evaluate_policy(args, None, None, None, eval_set, {"sample": "cpu"}, SingleProcess(), 1)
+    args.rollout_backend = "vllm"
+    loaded = []
+    sampler = SimpleNamespace(engine=SimpleNamespace(load_weights=lambda weights: loaded.append(dict(weights))))
+    metrics, synced = train_rl.evaluate_policy(args, sampler, torch.nn.Linear(2, 1), None, eval_set, {"sample": "cpu"}, SingleProcess(), 1)
+    assert synced and set(loaded[0]) == {"weight", "bias"}
+    assert [(s.temperature, s.top_p, s.min_tokens, s.max_tokens, s.repetition_penalty) for s in seen] == [(0.0, 1.0, 0, 20, 1.0)] * 2
+
+
+def test_a_fresh_evaluation_is_asked_for_with_the_eval_flags(monkeypatch, tmp_path):
+    import subprocess
+
+    commands = []
+
+    def child(command, **kwargs):
+        commands.append(command)
+        (tmp_path / "metrics.json").write_text(json.dumps({"avg_all_rewards": 0.25}))
+        (tmp_path / "samples.jsonl").write_text("{}\n")
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(evaluate.subprocess, "run", child)
+    args = _flag_args(dtype="float32", eval_split="test", data_dir=str(tmp_path), seed=3, vllm_kv_cache_gb=1.0, eval_num_examples=0,
+                      vllm_gpu_memory_utilization=None, vllm_enforce_eager=None)
+    assert evaluate.evaluate_in_subprocess(tmp_path / "model", args, tmp_path, "cpu")["avg_all_rewards"] == 0.25
+    command = commands[0]
+    given = {flag: command[command.index(flag) + 1] for flag in ("--temperature", "--top_p", "--min_tokens", "--max_tokens", "--repetition_penalty")}
+    assert given == {"--temperature": "0.0", "--top_p": "1.0", "--min_tokens": "0", "--max_tokens": "20", "--repetition_penalty": "1.0"}
+
+
+def test_overlong_judges_and_penalises_the_response_against_the_rollouts_token_limit():
+    """--overlong counts a response truncated at --sampling_max_tokens (12 here, evaluations 20), and its
+    penalty reads the response's own token count, not prompt + response."""
+    from alignment.distributed import SingleProcess
+    from alignment.grpo import overlong_reward
+    from alignment.rollout import Generation
+
+    generations = [Generation("a b c", 12, [5] * 12), Generation("a </answer>", 12, [5] * 12), Generation("a", 9, [5] * 9), Generation("a", 3, [5] * 3)]
+    args = _flag_args(overlong="mask", overlong_buffer=4, group_size=2, advantage_eps=1e-6, use_std_normalization=False)
+    batch = {"raw_rewards": torch.tensor([1.0, 0.0, 1.0, 0.0]), "lengths": torch.tensor([30, 30, 27, 21])}
+    logged = train_rl.handle_overlong(args, batch, generations, eos_token_id=0, ranks=SingleProcess())
+    assert batch["in_loss"].tolist() == [False, True, True, True] and logged["train/truncated_fraction"] == 0.25
+    args.overlong = "penalty"
+    logged = train_rl.handle_overlong(args, batch, generations, eos_token_id=0, ranks=SingleProcess())
+    penalty = overlong_reward(torch.tensor([12, 12, 9, 3]), 12, 4)
+    assert penalty.tolist() == [-1.0, -1.0, -0.25, 0.0]
+    assert torch.equal(batch["raw_rewards"], torch.tensor([1.0, 0.0, 1.0, 0.0]) + penalty)
+    assert batch["advantages"].tolist() == [0.5, -0.5, 0.375, -0.375] and logged["train/overlong_reward"] == pytest.approx(-0.5625)
+
+
+def test_each_epoch_reshuffles_the_rows_and_keeps_each_question_with_its_answer():
+    from types import SimpleNamespace
+
+    class Rows(SimpleNamespace):
+        def __len__(self):
+            return len(self.prompts)
+
+    dataset = Rows(prompts=[f"q{i}" for i in range(10)], ground_truths=[f"a{i}" for i in range(10)])
+    epochs = [[train_rl.rollout_batch(dataset, epoch * 3 + index, 3, 3, seed=5) for index in (1, 2, 3)] for epoch in range(3)]
+    for batches in epochs:
+        prompts = [p for batch_prompts, _ in batches for p in batch_prompts]
+        assert len(set(prompts)) == 9  # every row at most once an epoch
+        assert all(truth == prompt.replace("q", "a") for batch_prompts, truths in batches for prompt, truth in zip(batch_prompts, truths))
+    orders = [[p for batch_prompts, _ in batches for p in batch_prompts] for batches in epochs]
+    assert orders[0] != orders[1] != orders[2] != orders[0]  # each epoch its own shuffle, as the seed's DataLoader
+    assert orders[0] != [p for index in (1, 2, 3) for p in train_rl.rollout_batch(dataset, index, 3, 3, seed=6)[0]]
