@@ -90,6 +90,70 @@ def test_sampler_process_runs_requests_in_order(task):
     assert not sampler._process.is_alive()
 
 
+@pytest.fixture(scope="module")
+def hf_sampler(task):
+    """An HF sampler process on the task's checkpoint, in fp32 (the weights it is sent are fp32 too)."""
+    sampler = SamplerProcess("hf", task.sft, "cpu", torch.float32, 0, SAMPLER_ARGS)
+    yield sampler
+    sampler.close()
+
+
+ONE_PLUS_ONE = ["User: 1 + 1?\nAssistant: <think>", "User: 2 + 3?\nAssistant: <think>"]
+
+
+def test_the_sampler_process_seeds_each_request(hf_sampler):
+    """A batch sent ahead is drawn from its own seed, whatever the engine process generated before it:
+    the same seed twice gives the same rollouts, another seed others."""
+    sampling = SamplingSettings(temperature=1.0, max_tokens=8)
+    tickets = [hf_sampler.submit(ONE_PLUS_ONE * 2, sampling, seed) for seed in (5, 6, 5)]
+    first, other, again = ([g.token_ids for g in hf_sampler.result(ticket)] for ticket in tickets)
+    assert again == first
+    assert other != first
+
+
+def test_batches_sent_ahead_carry_their_own_steps_seed(task):
+    """One step off, step 3 sends the batches of steps 4 and 5 with the seeds those steps would sample
+    with in step (rollout_seed of their own step), so a batch's rollouts do not depend on when it was sent."""
+    from alignment.data import Gsm8kDataset
+    from alignment.sampler import batches_ahead, rollout_batch, rollout_seed
+
+    args = parse_rl_args(rl_flags(task, "seeds_ahead", "--rollout_staleness", "2"))
+    dataset = Gsm8kDataset("train", task.data)
+    steps_per_epoch = len(dataset) // args.rollout_batch_size
+    ahead = batches_ahead(args, dataset, 3, steps_per_epoch, total_steps=20)
+    assert [(step, seed) for step, _, seed in ahead] == [(4, rollout_seed(args.seed, 4)), (5, rollout_seed(args.seed, 5))]
+    assert [prompts for _, prompts, _ in ahead] == [rollout_batch(dataset, step, steps_per_epoch, args.rollout_batch_size, args.seed)[0] for step in (4, 5)]
+
+
+def test_the_sampler_process_loads_the_weights_as_they_were_sent(hf_sampler, task):
+    """The trainer sends the policy's weights and goes on training them in place while the engine process is
+    still busy: the engine loads a copy taken at the send, not what the policy holds by the time it loads."""
+    from transformers import AutoModelForCausalLM
+
+    greedy = SamplingSettings(temperature=0.0, max_tokens=8)
+    start = AutoModelForCausalLM.from_pretrained(task.sft, dtype=torch.float32)  # the sampler's dtype: no cast that would copy
+    policy = AutoModelForCausalLM.from_pretrained(task.sft, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    try:
+        start_tokens = [g.token_ids for g in hf_sampler.generate(ONE_PLUS_ONE, greedy)]
+        hf_sampler.load_weights(policy.state_dict().items())
+        policy_tokens = [g.token_ids for g in hf_sampler.generate(ONE_PLUS_ONE, greedy)]
+        assert policy_tokens != start_tokens and all(len(tokens) > 1 for tokens in policy_tokens)
+        hf_sampler.load_weights(start.state_dict().items())
+        busy = hf_sampler.submit(ONE_PLUS_ONE * 8, SamplingSettings(temperature=1.0, max_tokens=64), seed=0)  # the engine generates meanwhile
+        hf_sampler.load_weights(policy.state_dict().items())
+        with torch.no_grad():
+            for parameter in policy.parameters():
+                parameter.zero_()  # the next optimizer step, in place
+        hf_sampler.result(busy)
+        assert [g.token_ids for g in hf_sampler.generate(ONE_PLUS_ONE, greedy)] == policy_tokens
+    finally:
+        hf_sampler.load_weights(start.state_dict().items())
+
+
 def test_truncated_importance_weights_scale_the_policy_gradient():
     log_probs = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
     mask = torch.tensor([[True, True, False]])

@@ -220,3 +220,116 @@ def test_vllm_sampler_log_probs_equal_the_trainers_at_the_sampling_temperature(v
     assert torch.allclose(trainer, sampler, atol=1e-3), (trainer - sampler).abs().max()
     untempered, _ = trainer_log_probs(policy, tokenizer, generations, temperature=1.0)
     assert (untempered - sampler).abs().mean() > 0.05
+
+
+# ------------------------------------------------ stop string and min_tokens, on a model that wants them
+
+def saying(model, token_ids):
+    """A copy of the tiny model that says `token_ids` after any token, then repeats the last of them.
+
+    A bigram model: every layer's output projections zeroed (the residual stream is the last token's
+    embedding), and the embeddings (tied to the output layer) and the final norm use two dimensions only.
+    Every other token sits at angle 0, radius 1; the i-th wanted token at angle 30i degrees, radius 1.4^i:
+    the token one step further along the spiral scores highest (1.4 cos 30 = 1.21 > 1 > 1.96 cos 60 = 0.98),
+    by 48 or more in the logits. (Every other token ties with the rest: where one of the wanted ones is
+    masked, the engine samples among them uniformly.)"""
+    import math
+
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in clone.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embeddings = clone.model.embed_tokens.weight
+        embeddings.zero_()
+        embeddings[:, 0] = 1.0
+        for index, token in enumerate(token_ids, start=1):
+            angle = math.radians(30 * index)
+            embeddings[token, :2] = torch.tensor([math.cos(angle), math.sin(angle)]) * 1.4**index
+        clone.model.norm.weight.zero_()
+        clone.model.norm.weight[:2] = 20.0
+    return clone
+
+
+def engine_with(backend, policy, tokenizer, request):
+    """An HF engine on a copy of `policy`, or the module's vLLM engine loaded with its weights (the caller loads the tiny checkpoint's back)."""
+    if backend == "hf":
+        return HfEngine(copy.deepcopy(policy), tokenizer)
+    engine = request.getfixturevalue("vllm_engine")
+    engine.load_weights(policy.state_dict().items())
+    return engine
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_generation_stops_at_the_answer_tag_and_keeps_it(backend, tiny_model_and_tokenizer, request):
+    """The r1_zero format check wants the response to end with "</answer>": the stop string stays in the
+    text (vLLM's include_stop_str_in_output=True), and generation ends right after it."""
+    model, tokenizer = tiny_model_and_tokenizer
+    tag_ids = tokenizer.encode(" </answer>")
+    assert len(tag_ids) == 3  # " </", "answer", ">": the stop string is only whole after its last token
+    engine = engine_with(backend, saying(model, tag_ids), tokenizer, request)
+    prompts = [prompt + " 3 plus 4 is 7 </think> <answer> 7" for prompt in PROMPTS]  # not "<think>": its ">" is the tag's own last token
+    try:
+        generations = engine.generate(prompts, SamplingSettings(temperature=1.0, max_tokens=8))
+    finally:
+        engine.load_weights(model.state_dict().items())
+    assert [g.token_ids for g in generations] == [tag_ids] * len(PROMPTS)
+    assert [g.text for g in generations] == [" </answer>"] * len(PROMPTS)
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_min_tokens_holds_back_the_eos_the_model_wants_at_once(backend, tiny_model_and_tokenizer, request):
+    """--sampling_min_tokens (4 by default): EOS is masked for the first tokens, then taken."""
+    model, tokenizer = tiny_model_and_tokenizer
+    eos = tokenizer.eos_token_id
+    engine = engine_with(backend, saying(model, [eos]), tokenizer, request)
+    try:
+        at_once = engine.generate(PROMPTS, SamplingSettings(temperature=1.0, min_tokens=0, max_tokens=8))
+        held_back = engine.generate(PROMPTS, SamplingSettings(temperature=1.0, min_tokens=4, max_tokens=8))
+    finally:
+        engine.load_weights(model.state_dict().items())
+    # EOS first: vLLM returns it, the HF engine drops it (it is also the pad token)
+    assert all(g.token_ids in ([], [eos]) for g in at_once), [g.token_ids for g in at_once]
+    # four tokens drawn among the others, then EOS
+    assert all(len(g.token_ids) >= 4 and eos not in g.token_ids[:4] and g.token_ids[4:] in ([], [eos]) for g in held_back), [g.token_ids for g in held_back]
+
+
+# ------------------------------------------------ top_p
+
+def nucleus_view(model, tokenizer, prompts, generations, temperature, top_p):
+    """Each sampled token's place in the policy's distribution at `temperature` (the trainer's forward):
+    the probability mass of the tokens above it, and its log-prob renormalised over the top_p nucleus
+    (the smallest set of the likeliest tokens holding top_p of the mass), both flat over response tokens."""
+    from alignment.sft_helpers import tokenize_rollout_ids
+
+    batch = tokenize_rollout_ids(prompts, [g.token_ids for g in generations], tokenizer)
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=batch["input_ids"]).logits.float() / temperature, dim=-1)[batch["response_mask"]]
+    sampled = probs.gather(-1, batch["labels"][batch["response_mask"]][:, None])
+    mass_above = (probs * (probs > sampled)).sum(-1)
+    ordered = probs.sort(dim=-1, descending=True).values
+    in_nucleus = ordered.cumsum(-1) - ordered < top_p  # the mass before a token has not reached top_p yet
+    nucleus_mass = (ordered * in_nucleus).sum(-1)
+    return mass_above, (sampled.squeeze(-1) / nucleus_mass).log()
+
+
+NUCLEUS = SamplingSettings(temperature=0.7, top_p=0.3, min_tokens=0, max_tokens=12, repetition_penalty=1.0, log_probs=True)
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_sampling_keeps_to_the_top_p_nucleus(backend, tiny_model_and_tokenizer, request):
+    """--sampling_top_p: every sampled token lies in the nucleus of the tempered distribution, and the
+    sampler's log-prob is the policy's renormalised over that nucleus (what the token was drawn from)."""
+    model, tokenizer = tiny_model_and_tokenizer
+    policy = perturbed(model, seed=3)
+    engine = engine_with(backend, policy, tokenizer, request)
+    torch.manual_seed(0)
+    try:
+        generations = engine.generate(PROMPTS * 3, NUCLEUS)
+    finally:
+        engine.load_weights(model.state_dict().items())
+    mass_above, nucleus_log_probs = nucleus_view(policy, tokenizer, PROMPTS * 3, generations, NUCLEUS.temperature, NUCLEUS.top_p)
+    assert mass_above.numel() >= 60
+    assert (mass_above < NUCLEUS.top_p + 1e-4).all(), f"a token drawn from outside the nucleus, {mass_above.max():.3f} of the mass above it"
+    sampler = torch.tensor([lp for g in generations for lp, token in zip(g.log_probs, g.token_ids) if token != tokenizer.eos_token_id])
+    assert torch.allclose(sampler, nucleus_log_probs, atol=1e-3), (sampler - nucleus_log_probs).abs().max()
