@@ -180,3 +180,20 @@ def test_sampler_log_probs_align_with_labels_and_skip_unscored_rows(tiny_model_a
     assert grid[0][mask[0]].tolist() == [-0.5, -1.5, -2.5]  # each value sits on its token's label
     assert batch["labels"][0][mask[0]].tolist() == responses[0]
     assert torch.isnan(grid[0][~mask[0]]).all() and torch.isnan(grid[1]).all()  # no value: NaN, never a fake 0
+
+
+def test_pad_eos_and_bos_leave_the_response_mask_when_they_are_three_tokens():
+    """An Instruct tokenizer pads with another token than its EOS (Qwen2.5: <|endoftext|> against <|im_end|>):
+    a sampled EOS is masked out of the loss as the pad is, and so is a BOS, whichever of them a response holds."""
+    from types import SimpleNamespace
+
+    from alignment.sft_helpers import tokenize_rollout_ids
+
+    class Tokenizer(SimpleNamespace):
+        def __call__(self, texts):
+            return {"input_ids": [[11, 12, 13][: len(text)] for text in texts]}
+
+    tokenizer = Tokenizer(pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    batch = tokenize_rollout_ids(["abc", "ab"], [[5, 6, 2], [7, 1, 8, 2]], tokenizer)
+    assert batch["labels"].tolist() == [[12, 13, 5, 6, 2], [12, 7, 1, 8, 2]]
+    assert batch["response_mask"].tolist() == [[False, False, True, True, False], [False, True, False, True, False]]
