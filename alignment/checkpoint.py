@@ -4,8 +4,9 @@ Every folder train_rl and train_sft write (the SFT and RL checkpoints, the train
 state, the temporary evaluation checkpoint) is written whole into a sibling temp folder
 and only then swapped in, so a crash mid-write never costs the previous one. A folder
 cannot be renamed over a non-empty one, so the swap is two renames: `<path>` to its
-backup, then the temp folder to `<path>`; a crash between them leaves the backup, which
-`recover_checkpoint` renames back the next time a run takes the path.
+backup, then the temp folder to `<path>`; a crash between them leaves both, and the next
+run to take the path finishes the swap (`recover_checkpoint`), or, when the new folder
+does not check out against its manifest, renames the backup back.
 
 The tool's own names beside `<path>` are hidden and carry its name, so that no name a
 user picks (`<path>.old`, `<path>.tmp`, `<path>.lock`) is ever touched:
@@ -452,10 +453,26 @@ def _temp_owner(temp: Path) -> str | None:
     return marker.get("for") if isinstance(marker, dict) and marker.get("written_by") == WRITER else None
 
 
+def _finished_temp(path: Path) -> Path | None:
+    """The newest temp folder this tool made for `path` whose write finished: its manifest is
+    written (the write's last step before the swap) and every file it lists checks out."""
+    finished = []
+    for temp in path.parent.glob(_temp_prefix(path) + "*") if path.parent.is_dir() else ():
+        if temp.is_dir() and _temp_owner(temp) == str(path.absolute()) and read_manifest(temp) is not None:
+            try:
+                verify_manifest(temp, "")
+            except UserError:
+                continue
+            finished.append(((temp / MANIFEST_NAME).stat().st_mtime, temp))
+    return max(finished)[1] if finished else None
+
+
 def recover_checkpoint(path) -> None:
-    """Undo what a writer of `path` that died mid-write left: a backup whose swap was cut
-    between its two renames goes back to `path` (or, with `path` written after all, away),
-    and temp folders this tool made for `path` are removed.
+    """Finish or undo what a writer of `path` that died mid-write left. A swap cut between
+    its two renames (no `path`; the backup, and the new folder written whole) is finished:
+    the new folder goes to `path`, the backup away. Without a whole new folder the backup
+    goes back to `path` (or, with `path` there after all, away). Temp folders this tool made
+    for `path` are then removed.
 
     Call it holding the path's lock (OutputLock, or write_atomically's own), so that no live
     writer, on this host or another, has a temp folder there. Only the tool's own hidden
@@ -463,6 +480,9 @@ def recover_checkpoint(path) -> None:
     user's `<path>.old` or `<path>.tmp` is never touched."""
     path = Path(path)
     backup = _backup_path(path)
+    if not path.exists() and (finished := _finished_temp(path)) is not None:
+        os.rename(finished, path)  # the swap's last rename, as the writer would have done it
+        (path / TEMP_MARKER_NAME).unlink(missing_ok=True)
     if backup.is_dir() and read_manifest(backup) is not None:  # a backup is always a folder this tool wrote
         if not path.exists():
             os.rename(backup, path)

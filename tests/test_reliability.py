@@ -69,6 +69,47 @@ def test_crash_between_the_two_renames_is_recovered(tiny_checkpoint, tmp_path):
     assert (tmp_path / "ckpt" / "model.safetensors").is_file() and not backup.exists()
 
 
+def test_a_save_stopped_between_its_two_renames_is_finished_not_lost(tiny_checkpoint, tmp_path, monkeypatch):
+    """Ctrl-C (or a kill) after the previous folder went to its backup and before the new one, written whole,
+    took its place: the next run's recovery finishes the swap, so the newer save is what `path` holds.
+    A new folder cut short (a file damaged) is not taken; the backup goes back."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from alignment import checkpoint
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_checkpoint), AutoTokenizer.from_pretrained(tiny_checkpoint)
+    target = tmp_path / "ckpt"
+    save_model_atomically(model, tokenizer, target, "rl_checkpoint")
+    real_rename = os.rename
+
+    def stopped_at_the_swap(source, destination):
+        if Path(destination) == target:
+            raise KeyboardInterrupt
+        real_rename(source, destination)
+
+    for damaged in (False, True):
+        before = weights(target)
+        with torch.no_grad():
+            model.lm_head.weight.add_(1.0)  # each save holds other weights than the one before
+        monkeypatch.setattr(checkpoint.os, "rename", stopped_at_the_swap)
+        with pytest.raises(KeyboardInterrupt):
+            save_model_atomically(model, tokenizer, target, "rl_checkpoint")
+        monkeypatch.setattr(checkpoint.os, "rename", real_rename)
+        (temp,) = tmp_path.glob(".ckpt.alignment-tmp-*")
+        assert not target.exists() and (tmp_path / ".ckpt.alignment-old").is_dir()
+        if damaged:
+            with open(temp / "model.safetensors", "r+b") as handle:
+                handle.truncate(100)
+        recover_checkpoint(target)
+        held, attempted = weights(target), {name: tensor for name, tensor in model.state_dict().items() if name in before}
+        expected, other = (before, attempted) if damaged else (attempted, before)
+        assert held.keys() == before.keys() and all(torch.equal(held[name], expected[name]) for name in held)
+        assert not all(torch.equal(held[name], other[name]) for name in held)
+        assert {path.name for path in tmp_path.iterdir()} - {".ckpt.alignment-lock"} == {"ckpt"}  # no temp, no backup left
+        assert not (target / "alignment_temp.json").exists()
+        checkpoint.verify_manifest(target, "")
+
+
 def test_folders_beside_a_checkpoint_that_the_tool_did_not_make_for_it_are_never_touched(tmp_path):
     """A user's ckpt.old / ckpt.tmp-backup, a folder at the tool's backup name without its manifest, and a temp
     folder the tool made for another path all stay, whether the checkpoint is there or not."""
