@@ -89,6 +89,7 @@ def build_checkpoint(path, tiny: bool, data_dir=None, seed: int = 0) -> Path:
     # built beside `path` and renamed into place: a build cut short never counts as the cache
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    partial.chmod(0o755)  # mkdtemp's 0700 would stay with the model folder
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     (partial / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eos_token_id}))
