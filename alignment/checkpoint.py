@@ -461,10 +461,20 @@ def _finished_temp(path: Path) -> Path | None:
         if temp.is_dir() and _temp_owner(temp) == str(path.absolute()) and read_manifest(temp) is not None:
             try:
                 verify_manifest(temp, "")
-            except UserError:
+                finished.append(((temp / MANIFEST_NAME).stat().st_mtime, temp))
+            except Exception:  # damaged, unreadable or a manifest of another shape: not a finished write
                 continue
-            finished.append(((temp / MANIFEST_NAME).stat().st_mtime, temp))
     return max(finished)[1] if finished else None
+
+
+def _remove_written_folder(folder: Path) -> None:
+    """Remove a folder this tool wrote, its manifest last: cut short, what is left still
+    carries the manifest that lets recover_checkpoint know it and finish the removal."""
+    for entry in folder.iterdir():
+        if entry.name != MANIFEST_NAME:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    (folder / MANIFEST_NAME).unlink(missing_ok=True)
+    folder.rmdir()
 
 
 def recover_checkpoint(path) -> None:
@@ -472,7 +482,7 @@ def recover_checkpoint(path) -> None:
     its two renames (no `path`; the backup, and the new folder written whole) is finished:
     the new folder goes to `path`, the backup away. Without a whole new folder the backup
     goes back to `path` (or, with `path` there after all, away). Temp folders this tool made
-    for `path` are then removed.
+    for `path` are then removed, finished or not: without a backup no swap had begun.
 
     Call it holding the path's lock (OutputLock, or write_atomically's own), so that no live
     writer, on this host or another, has a temp folder there. Only the tool's own hidden
@@ -480,14 +490,23 @@ def recover_checkpoint(path) -> None:
     user's `<path>.old` or `<path>.tmp` is never touched."""
     path = Path(path)
     backup = _backup_path(path)
-    if not path.exists() and (finished := _finished_temp(path)) is not None:
-        os.rename(finished, path)  # the swap's last rename, as the writer would have done it
-        (path / TEMP_MARKER_NAME).unlink(missing_ok=True)
-    if backup.is_dir() and read_manifest(backup) is not None:  # a backup is always a folder this tool wrote
+    has_backup = backup.is_dir() and read_manifest(backup) is not None  # a backup is always a folder this tool wrote
+    # only a swap the tool began is finished: `path` gone without a backup beside it is a user's doing (say, to start
+    # over), and a temp left by a writer that died before its first rename must not bring that folder back
+    if has_backup and not path.exists() and (finished := _finished_temp(path)) is not None:
+        try:
+            os.rename(finished, path)  # the swap's last rename, as the writer would have done it
+            (path / TEMP_MARKER_NAME).unlink(missing_ok=True)
+        except OSError:
+            pass  # not finished: the backup goes back below
+    if has_backup:
         if not path.exists():
             os.rename(backup, path)
         else:
-            shutil.rmtree(backup, ignore_errors=True)
+            try:
+                _remove_written_folder(backup)
+            except OSError:
+                pass  # its manifest stays until the last file is gone: the next recovery finishes the removal
     if not path.parent.is_dir():
         return
     for temp in sorted(path.parent.glob(_temp_prefix(path) + "*")):
@@ -539,7 +558,7 @@ def write_atomically(path, write_into, kind: str, record: dict | None = None) ->
         try:
             (path / TEMP_MARKER_NAME).unlink(missing_ok=True)  # in place now: no longer a temp folder
             if backup.exists():
-                shutil.rmtree(backup)
+                _remove_written_folder(backup)
         except OSError as error:
             print(f"warning: saved {path}, but could not remove the previous copy {backup} ({error.strerror or error}); remove it by hand if it is still there")
     return path

@@ -8,6 +8,7 @@ r1_zero prompts come out near Qwen's ~150 tokens.
 
 import json
 import math
+import shutil
 import statistics
 import tempfile
 import time
@@ -89,13 +90,21 @@ def build_checkpoint(path, tiny: bool, data_dir=None, seed: int = 0) -> Path:
     # built beside `path` and renamed into place: a build cut short never counts as the cache
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
-    partial.chmod(0o755)  # mkdtemp's 0700 would stay with the model folder
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    (partial / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eos_token_id}))
-    if path.is_dir() and not any(path.iterdir()):
-        path.rmdir()
-    partial.rename(path)
+    try:
+        partial.chmod(0o755)  # mkdtemp's 0700 would stay with the model folder
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        (partial / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eos_token_id}))
+        if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            path.rmdir()
+        try:
+            partial.rename(path)
+        except OSError:
+            if not (path / "config.json").is_file():
+                raise
+            # another benchmark built the same seeded model at the same time: its copy is the cache
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone after the rename; a build cut short leaves nothing
     return path
 
 

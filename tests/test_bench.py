@@ -580,7 +580,7 @@ def test_gsm8k_summary_again_keeps_the_base_evaluation_of_the_model_the_runs_had
 
 
 def test_bench_model_cache_never_takes_a_cut_short_build_and_never_writes_into_a_users_folder(monkeypatch, tmp_path):
-    sys.path.insert(0, str(REPO_ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
     import common
     from transformers import PreTrainedModel
 
@@ -595,10 +595,23 @@ def test_bench_model_cache_never_takes_a_cut_short_build_and_never_writes_into_a
     with pytest.raises(KeyboardInterrupt):
         common.build_checkpoint(cache, tiny=True)
     assert not (cache / "config.json").exists()  # the next call builds it again instead of loading half a model
+    assert [path.name for path in tmp_path.iterdir()] == []  # and the half-built copy is gone
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", real_save)
     built = common.build_checkpoint(cache, tiny=True)
     assert {"config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in built.iterdir()}
     assert (built / "model.safetensors").stat().st_size > 0
+    # two benchmarks building the cache at once: the one that finishes second finds the first's in place and uses it
+    other = shutil.copytree(cache, tmp_path.parent / f"{tmp_path.name}_other")
+    shutil.rmtree(cache)
+
+    def the_other_finishes_first(self, folder, *args, **kwargs):
+        real_save(self, folder, *args, **kwargs)
+        shutil.copytree(other, cache)
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", the_other_finishes_first)
+    assert common.build_checkpoint(cache, tiny=True) == cache
+    assert [path.name for path in tmp_path.iterdir()] == ["model_tiny"] and (cache / "model.safetensors").is_file()
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", real_save)
 
     users = tmp_path / "mine"
     users.mkdir()

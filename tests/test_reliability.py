@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,6 +109,55 @@ def test_a_save_stopped_between_its_two_renames_is_finished_not_lost(tiny_checkp
         assert {path.name for path in tmp_path.iterdir()} - {".ckpt.alignment-lock"} == {"ckpt"}  # no temp, no backup left
         assert not (target / "alignment_temp.json").exists()
         checkpoint.verify_manifest(target, "")
+
+
+def test_a_finished_temp_never_brings_back_a_folder_the_user_removed(tiny_checkpoint, tmp_path, monkeypatch):
+    """A writer killed after its manifest and before its first rename leaves the new folder whole beside the old one.
+    The user then removes the old one to start over: no swap had begun (no backup), so nothing comes back."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from alignment import checkpoint
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_checkpoint), AutoTokenizer.from_pretrained(tiny_checkpoint)
+    target = tmp_path / "ckpt"
+    save_model_atomically(model, tokenizer, target, "rl_checkpoint")
+
+    def killed_before_the_swap(folder):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "_fsync_tree", killed_before_the_swap)
+    with pytest.raises(KeyboardInterrupt):
+        save_model_atomically(model, tokenizer, target, "rl_checkpoint")
+    (temp,) = tmp_path.glob(".ckpt.alignment-tmp-*")
+    checkpoint.verify_manifest(temp, "")  # written whole
+    shutil.rmtree(target)
+    recover_checkpoint(target)
+    assert {path.name for path in tmp_path.iterdir()} - {".ckpt.alignment-lock"} == set()  # no checkpoint, no temp
+
+
+def test_a_backup_whose_removal_was_cut_short_is_removed_later_and_saves_go_on(tiny_checkpoint, tmp_path, monkeypatch):
+    """The tidy-up after a swap removes the previous folder's manifest last: cut short, the rest still says it is
+    the tool's backup, so the next save removes it instead of failing on a folder it may not touch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_checkpoint), AutoTokenizer.from_pretrained(tiny_checkpoint)
+    target = tmp_path / "ckpt"
+    save_model_atomically(model, tokenizer, target, "rl_checkpoint")
+    real_unlink = Path.unlink
+
+    def stopped_at_the_weights(self, *args, **kwargs):
+        if self.name == "model.safetensors" and self.parent.name == ".ckpt.alignment-old":
+            raise PermissionError(13, "Permission denied")
+        real_unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", stopped_at_the_weights)
+    save_model_atomically(model, tokenizer, target, "rl_checkpoint")  # saved; the warning names the backup left
+    backup = tmp_path / ".ckpt.alignment-old"
+    assert (backup / "model.safetensors").exists() and (backup / "alignment_manifest.json").exists()
+    monkeypatch.setattr(Path, "unlink", real_unlink)
+    save_model_atomically(model, tokenizer, target, "rl_checkpoint")
+    assert not backup.exists()
+    weights(target)
 
 
 def test_folders_beside_a_checkpoint_that_the_tool_did_not_make_for_it_are_never_touched(tmp_path):
