@@ -304,14 +304,14 @@ def test_a_save_whose_old_copy_cannot_be_removed_is_still_a_save(tmp_path, monke
     the save was reported as failed ("could not write ...; the previous ... is intact"), and the run stopped."""
     target = tmp_path / "ckpt"
     write_atomically(target, lambda folder: (folder / "weights.txt").write_text("step 1"), kind="rl_checkpoint")
-    real_rmtree = shutil.rmtree
+    real_unlink = Path.unlink
 
     def busy_backup(path, *args, **kwargs):
-        if Path(path).name == ".ckpt.alignment-old" and not kwargs.get("ignore_errors"):
+        if path.parent.name == ".ckpt.alignment-old":
             raise OSError(16, "Device or resource busy")
-        return real_rmtree(path, *args, **kwargs)
+        return real_unlink(path, *args, **kwargs)
 
-    monkeypatch.setattr(shutil, "rmtree", busy_backup)
+    monkeypatch.setattr(Path, "unlink", busy_backup)
     assert write_atomically(target, lambda folder: (folder / "weights.txt").write_text("step 2"), kind="rl_checkpoint") == target
     monkeypatch.undo()
     assert (target / "weights.txt").read_text() == "step 2" and verify_manifest(target, "")["kind"] == "rl_checkpoint"
