@@ -458,11 +458,11 @@ def _finished_temp(path: Path) -> Path | None:
     written (the write's last step before the swap) and every file it lists checks out."""
     finished = []
     for temp in path.parent.glob(_temp_prefix(path) + "*") if path.parent.is_dir() else ():
-        if temp.is_dir() and _temp_owner(temp) == str(path.absolute()) and read_manifest(temp) is not None:
+        if temp.is_dir() and _temp_owner(temp) == str(path.absolute()):
             try:
                 verify_manifest(temp, "")
                 finished.append(((temp / MANIFEST_NAME).stat().st_mtime, temp))
-            except Exception:  # damaged, unreadable or a manifest of another shape: not a finished write
+            except Exception:  # no manifest yet, damaged, unreadable or of another shape: not a finished write
                 continue
     return max(finished)[1] if finished else None
 
