@@ -586,13 +586,21 @@ def _fsync_tree(folder: Path) -> None:
 def remove_output(path, kind: str, run_id: str | None = None) -> bool:
     """Delete a folder this tool wrote as `kind`, holding exactly its manifest's files; with
     `run_id`, only if the run that wrote it (its manifest's run record) has that id. Anything
-    else is left alone. Returns whether it was removed."""
+    else is left alone. Returns whether it was removed.
+
+    The manifest goes last: a removal cut short (a kill, a busy file) leaves a folder that still
+    says it is ours, holding a subset of its files, which a later call removes or a save replaces."""
     path = Path(path)
     if not path.is_dir() or _is_empty_folder(path) or ownership_problem(path, kind):
         return False
     if run_id is not None and (read_manifest(path).get("run") or {}).get("run_id") != run_id:
         return False
-    shutil.rmtree(path, ignore_errors=True)
+    try:
+        _remove_written_folder(path)
+    except OSError as error:
+        print(f"warning: could not remove {path} ({error.strerror or error}); remove it by hand (what is left still carries "
+              f"its manifest, so a later run may replace it)")
+        return False
     return True
 
 

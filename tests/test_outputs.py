@@ -1219,3 +1219,31 @@ def test_a_stopped_run_resumes_after_its_folders_moved(tmp_path, monkeypatch, ca
     train_file.write_text("\n".join(reversed(train_file.read_text().splitlines())) + "\n")
     with pytest.raises(UserError, match=r"--resume: --data_dir is '.*data2' but the run was started with '.*exp_moved/data'"):
         train_rl.main([*flags(moved, "edited", "--save_state_every", "1", "--resume"), "--data_dir", str(tmp_path / "data2")])
+
+
+def test_a_removal_cut_short_leaves_a_folder_the_tool_still_knows_and_removes_later(tmp_path, monkeypatch, capsys):
+    """A kill or a busy file part way through removing a training state: what is left keeps its manifest (removed last),
+    so it is neither refused as a user's folder nor left for ever; the warning names the folder and the cause."""
+    state = tmp_path / "rl.state"
+
+    def write(folder):
+        for name in ("a.bin", "b.bin", "c.bin"):
+            (folder / name).write_bytes(name.encode())
+
+    write_atomically(state, write, kind="training_state")
+    real_unlink, removed = Path.unlink, []
+
+    def busy_after_one(path, *args, **kwargs):
+        if path.parent == state and removed:
+            raise OSError(16, "Device or resource busy")
+        removed.append(path.name)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", busy_after_one)
+    assert checkpoint.remove_output(state, "training_state") is False
+    assert f"warning: could not remove {state} (Device or resource busy)" in capsys.readouterr().out
+    monkeypatch.setattr(Path, "unlink", real_unlink)
+    left = sorted(file.name for file in state.iterdir())
+    assert len(left) == 3 and checkpoint.MANIFEST_NAME in left and removed[0] not in left  # one file gone, the manifest kept
+    assert checkpoint.ownership_problem(state, "training_state") is None
+    assert checkpoint.remove_output(state, "training_state") is True and not state.exists()
