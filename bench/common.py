@@ -8,6 +8,7 @@ r1_zero prompts come out near Qwen's ~150 tokens.
 
 import json
 import math
+import os
 import shutil
 import statistics
 import tempfile
@@ -60,7 +61,7 @@ def build_checkpoint(path, tiny: bool, data_dir=None, seed: int = 0) -> Path:
 
     from alignment.data import format_r1_zero_prompt
 
-    path = Path(path)
+    path = Path(path).resolve() if Path(path).is_symlink() else Path(path)  # the folder a link names: a rename onto a link fails
     if (path / "config.json").is_file():
         return path
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -91,7 +92,9 @@ def build_checkpoint(path, tiny: bool, data_dir=None, seed: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     try:
-        partial.chmod(0o755)  # mkdtemp's 0700 would stay with the model folder
+        umask = os.umask(0)
+        os.umask(umask)
+        partial.chmod(0o777 & ~umask)  # mkdtemp's 0700 would stay with the model folder: the mode a mkdir would give
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         (partial / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eos_token_id}))

@@ -619,3 +619,13 @@ def test_bench_model_cache_never_takes_a_cut_short_build_and_never_writes_into_a
     with pytest.raises(SystemExit, match="not a model folder .* move that one away"):
         common.build_checkpoint(users, tiny=True)
     assert [p.name for p in users.iterdir()] == ["notes.txt"]
+    # a link to an empty folder: the model is built in the folder it names, with the mode the umask gives a new folder
+    target, link = tmp_path / "elsewhere", tmp_path / "linked"
+    target.mkdir()
+    link.symlink_to(target)
+    old_umask = os.umask(0o027)
+    try:
+        assert common.build_checkpoint(link, tiny=True) == target and (link / "config.json").is_file() and link.is_symlink()
+    finally:
+        os.umask(old_umask)
+    assert target.stat().st_mode & 0o777 == 0o750
