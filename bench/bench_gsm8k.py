@@ -13,7 +13,9 @@ commands):
 
 1. `alignment.evaluate` the start model on the whole test split (greedy, r1_zero prompt);
 2. `alignment.train_sft` on the train split (the seed's stage), then evaluate it the same way;
-3. RL starts from whichever of the two scored higher (ties: SFT, the seed's order);
+3. RL starts from whichever of the two scored higher (ties: SFT, the seed's order); with
+   `--rl_from_base`, from the start model, and step 2 is skipped (on the 1.5B, RL from the base
+   model ended 5-9 points above RL from SFT, though SFT scores higher at step 0: RESULTS run 19);
 4. `alignment.train_rl` from there, evaluating on the whole test split every
    --evaluate_freq steps on its synced sampler;
 5. TRL's `GRPOTrainer` from the same start with the same settings (bench_trl.py
@@ -194,6 +196,8 @@ def main():
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                         help="another RL run from the same start: the recipe's train_rl flags plus FLAGS (repeatable; runs after the recipe's own)")
     parser.add_argument("--recipe", action=argparse.BooleanOptionalAction, default=True, help="run the recipe's own RL run (rl) before the variants; --no-recipe without --variant runs TRL alone from the start checkpoint")
+    parser.add_argument("--rl_from_base", action="store_true",
+                        help="start RL from --model itself: no SFT stage (RESULTS run 19: the better start on the 1.5B, though SFT scores higher at step 0)")
     parser.add_argument("--base_eval", action=argparse.BooleanOptionalAction, default=True,
                         help="evaluate the start model; --no-base_eval starts RL from SFT without it (the rule picks SFT whenever it beats the base)")
     parser.add_argument("--sft_eval", action=argparse.BooleanOptionalAction, default=True,
@@ -216,11 +220,13 @@ def main():
     variants = [parse_variant(text) for text in args.variant]
     if not args.recipe and not variants and not args.trl:
         raise SystemExit("--no-recipe --no-trl leaves no RL run: add at least one --variant NAME=FLAGS, or drop --no-trl")
-    if not args.sft_eval and (args.base_eval or not (args.recipe or variants)):
+    if args.rl_from_base and not args.base_eval:
+        raise SystemExit("--rl_from_base --no-base_eval: the curves start from the base model's evaluation; drop --no-base_eval")
+    if not args.rl_from_base and not args.sft_eval and (args.base_eval or not (args.recipe or variants)):
         raise SystemExit("--no-sft_eval needs --no-base_eval (the start is chosen from both accuracies) and a run of ours (its step 0 is SFT's "
                          "evaluation): add --no-base_eval, or drop --no-sft_eval")
     stands_for_sft = sft_evaluated_by(args.recipe, variants)
-    if not args.sft_eval and not args.summarize_only and stands_for_sft is None:
+    if not args.rl_from_base and not args.sft_eval and not args.summarize_only and stands_for_sft is None:
         raise SystemExit(f"--no-sft_eval: every run of this call changes how it evaluates ({', '.join(EVALUATION_FLAGS)}), so none of their "
                          "step-0 evaluations is SFT's as the recipe makes it: drop --no-recipe, add a variant without those flags, or drop --no-sft_eval")
     if args.summarize_only:  # our run only where it ran
@@ -240,9 +246,9 @@ def main():
         if found := [str(path) for path in (args.out / name, args.out / "runs" / name) if path.exists()]:
             raise SystemExit(f"--out {args.out}: our run {name} has run there already ({', '.join(found)}); the summary would report that run: "
                              "pass a new --out, move those folders away, or name the variant otherwise")
-    if not args.base_eval:  # the start is SFT: known now, before any work
-        check_same_start(args.out, "sft")
-    if (args.out / "sft" / "config.json").is_file():
+    if not args.base_eval or args.rl_from_base:  # the start is known now, before any work
+        check_same_start(args.out, "base" if args.rl_from_base else "sft", args.rl_from_base)
+    if not args.rl_from_base and (args.out / "sft" / "config.json").is_file():
         made_from = (read_manifest(args.out / "sft") or {}).get("start_model")
         if made_from != start_model_name(args.model):
             raise SystemExit(f"--out {args.out}: {args.out / 'sft'} was trained from {made_from or 'a model its manifest does not name'}, not --model "
@@ -269,16 +275,20 @@ def main():
 
     with ThreadPoolExecutor(2) as pool:
         base = pool.submit(evaluate, peer, "eval_base", args.model, args) if args.base_eval else None
-        tuned = pool.submit(sft_stage) if peer is not ours else None
-        base, tuned = (base.result() if base else None), (tuned.result() if tuned else sft_stage())
-    start = sft if base is None or tuned >= base else args.model  # ties: SFT, the seed's order
-    check_same_start(args.out, "sft" if start == sft else "base")
+        tuned = pool.submit(sft_stage) if peer is not ours and not args.rl_from_base else None
+        base, tuned = (base.result() if base else None), (tuned.result() if tuned else None if args.rl_from_base else sft_stage())
+    if args.rl_from_base:
+        start = args.model
+    else:
+        start = sft if base is None or tuned >= base else args.model  # ties: SFT, the seed's order
+    check_same_start(args.out, "sft" if start == sft else "base", args.rl_from_base)
     started = {"rl_start": "sft" if start == sft else "base", "path": str(start)}
-    if tuned is None:  # --no-sft_eval: whose step 0 is SFT's evaluation (an earlier call's, when that run is still there)
+    if tuned is None and not args.rl_from_base:  # --no-sft_eval: whose step 0 is SFT's evaluation (an earlier call's, when that run is still there)
         earlier = json.loads((args.out / "rl_start.json").read_text()).get("sft_evaluated_by") if (args.out / "rl_start.json").is_file() else None
         started["sft_evaluated_by"] = earlier if earlier and (args.out / "runs" / earlier / "evals.jsonl").is_file() else stands_for_sft
     (args.out / "rl_start.json").write_text(json.dumps(started) + "\n")
-    print(f"base {'not evaluated' if base is None else f'{base:.3f}'}, SFT {'at our step 0' if tuned is None else f'{tuned:.3f}'}: "
+    sft_said = "not trained (--rl_from_base)" if args.rl_from_base else "at our step 0" if tuned is None else f"{tuned:.3f}"
+    print(f"base {'not evaluated' if base is None else f'{base:.3f}'}, SFT {sft_said}: "
           f"RL starts from {start}", flush=True)
 
     # 3-4. ours (the recipe, then each variant, one after another) and TRL from the same start
@@ -316,15 +326,16 @@ def summary_runs(out: Path, recipe: bool, variants: list[str]) -> tuple[str | No
     return ours, [name for name in dict.fromkeys([*variants, *earlier]) if name != ours]
 
 
-def check_same_start(out: Path, start: str) -> None:
+def check_same_start(out: Path, start: str, rl_from_base: bool = False) -> None:
     """Refuse a call whose RL would start from another checkpoint than the runs already in `out`: rl_start.json
     holds one start for the whole summary, and overwriting it would draw those runs from the wrong step 0."""
     recorded = json.loads((out / "rl_start.json").read_text()).get("rl_start") if (out / "rl_start.json").is_file() else None
     runs = sorted(path.name for path in (out / "runs").glob("*") if path.name != "sft" and (path / "steps.jsonl").is_file())
     runs += ["trl"] if earlier_run(out / "trl") else []
     if recorded not in (None, start) and runs:
+        advice = "add --rl_from_base" if start == "sft" else "drop --rl_from_base" if rl_from_base else "add --no-base_eval"
         raise SystemExit(f"--out {out}: its RL runs ({', '.join(runs[:3])}) started from {recorded}, this call's would start from {start} "
-                         f"(one summary holds one start): pass a new --out, or {'drop --no-base_eval' if start == 'sft' else 'add --no-base_eval'}")
+                         f"(one summary holds one start): pass a new --out, or {advice}")
 
 
 def trl_command(args, start: Path) -> list[str]:
@@ -390,7 +401,7 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "r
             summary[stage] = {key: metrics[key] for key in ("avg_all_rewards", "format_reward", "mean_response_tokens", "num_examples")}
     if "eval_sft" not in summary and (step_zero := _step_zero(out, started)):  # --no-sft_eval
         summary["eval_sft"] = step_zero
-    if "eval_sft" not in summary:  # what every curve starts from
+    if "eval_sft" not in summary and started.get("rl_start") != "base":  # what every curve starts from (from SFT)
         raise SystemExit(f"--out {out} holds no evaluation of its SFT checkpoint (eval_sft/metrics.json): not a bench_gsm8k folder, or one "
                          f"whose SFT was not evaluated; pass the --out a run wrote (nothing was changed)")
     base = summary.get("eval_base", {}).get("avg_all_rewards", float("-inf"))
@@ -508,7 +519,8 @@ def draw(summary: dict, path: Path) -> None:
 
 def print_table(summary: dict) -> None:
     base = summary.get("eval_base", {}).get("avg_all_rewards")
-    print(f"base {'not evaluated' if base is None else f'{base:.3f}'} | SFT {summary['eval_sft']['avg_all_rewards']:.3f} | RL start: {summary['rl_start']}")
+    sft = summary.get("eval_sft", {}).get("avg_all_rewards")
+    print(f"base {'not evaluated' if base is None else f'{base:.3f}'} | SFT {'not evaluated' if sft is None else f'{sft:.3f}'} | RL start: {summary['rl_start']}")
     for name, run in [("ours", summary), *summary.get("variants", {}).items()]:
         for e in run.get("ours_evals", []):
             print(f"{name} step {e['step']:>4}: accuracy {e['accuracy']:.3f} after {e['train_minutes']:.1f} training minutes")

