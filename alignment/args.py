@@ -512,7 +512,9 @@ EVALUATION_SIDE_FLAGS = (
 _AUTO_FLAGS = ("torch_compile", "pack_sequences")  # None until resolve_speed_flags knows the device
 
 
-STORE_TRUE_FLAGS = ("gradient_checkpointing", "resume")  # switches without a --no- form
+def _store_true_flags() -> frozenset:
+    """train_rl's switches without a --no- form (argparse's store_true), read from its parser."""
+    return frozenset(action.dest for action in build_rl_parser()._actions if isinstance(action, argparse._StoreTrueAction))
 
 
 def _plain(value):
@@ -522,7 +524,7 @@ def _plain(value):
 def _as_given(name: str, value) -> str:
     """What to do for a command to give --`name` the recorded `value`: "leave --name out" for a default
     of None or an unset store-true switch, else "pass" and the flag as typed (--no-name for a switch that is off)."""
-    if value is None or (value is False and name in STORE_TRUE_FLAGS):
+    if value is None or (value is False and name in _store_true_flags()):
         return f"leave --{name} out"
     if isinstance(value, bool):
         return f"pass --{name}" if value else f"pass --no-{name}"

@@ -698,3 +698,13 @@ def test_resume_refusals_name_the_flag_as_a_command_gives_it(task):
 
     assert _as_given("gradient_checkpointing", False) == "leave --gradient_checkpointing out"  # a store-true switch has no --no- form
     assert _as_given("gradient_checkpointing", True) == "pass --gradient_checkpointing"
+    # every switch of the parser, however added: what to type for it off is a form argparse accepts
+    import argparse
+
+    from alignment.args import build_rl_parser
+
+    switches = [action for action in build_rl_parser()._actions if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction))]
+    assert len(switches) > 10 and {"gradient_checkpointing", "resume"} <= {action.dest for action in switches}
+    for action in switches:
+        off = _as_given(action.dest, False)
+        assert off == (f"pass --no-{action.dest}" if f"--no-{action.dest}" in action.option_strings else f"leave --{action.dest} out"), action.dest
