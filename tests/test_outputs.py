@@ -1247,3 +1247,12 @@ def test_a_removal_cut_short_leaves_a_folder_the_tool_still_knows_and_removes_la
     assert len(left) == 3 and checkpoint.MANIFEST_NAME in left and removed[0] not in left  # one file gone, the manifest kept
     assert checkpoint.ownership_problem(state, "training_state") is None
     assert checkpoint.remove_output(state, "training_state") is True and not state.exists()
+
+
+def test_an_empty_log_folder_is_taken_and_marked(tmp_path):
+    """`mkdir runs/rl` before a run (a habit): an empty folder holds nothing of anyone's, so it is taken and marked with
+    the run's id like a new one, not refused as a user's."""
+    empty = tmp_path / "runs" / "rl"
+    empty.mkdir(parents=True)
+    checkpoint.claim_log_folder(empty, "--log_dir/--run_name", run_id="mine")
+    assert checkpoint.log_folder_run_id(empty) == "mine"
