@@ -507,3 +507,47 @@ def test_a_folder_without_a_manifest_replaced_during_its_evaluation_is_not_recor
     with pytest.raises(UserError, match=r"^--model_path .*rl.state/policy was replaced while it was evaluated"):
         evaluate.main(argv)
     assert not (tmp_path / "eval" / "metrics.json").exists()
+
+
+def test_sft_steps_use_the_schedules_rate_on_fresh_gradients_and_log_the_rate_and_evaluations_once(task, monkeypatch):
+    """Four SFT steps, two of warm-up, then cosine: each optimizer step uses the schedule's rate for its step (the
+    scheduler after the optimizer), starts from cleared gradients (they would add up over steps otherwise),
+    train/lr is the rate the schedule gives after the step, and the last step is evaluated once, not twice."""
+    import math
+
+    lr, used, fresh, evaluated, logged = 1e-3, [], [], [], {}
+    real_optimizer, real_scored, real_evaluate = train_sft.build_optimizer, train_sft.get_response_log_probs, train_sft.evaluate_sft
+
+    def recording_optimizer(*args, **kwargs):
+        optimizer = real_optimizer(*args, **kwargs)
+        optimizer.register_step_pre_hook(lambda optimizer, *_: used.append(optimizer.param_groups[0]["lr"]))
+        return optimizer
+
+    def scored(model, *args, **kwargs):  # one microbatch a step: each call is a step's first
+        fresh.append(all(parameter.grad is None for parameter in model.parameters()))
+        return real_scored(model, *args, **kwargs)
+
+    class Writer:
+        def add_scalar(self, key, value, step):
+            logged.setdefault(key, []).append((step, value))
+
+        def add_text(self, *args):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(train_sft, "build_optimizer", recording_optimizer)
+    monkeypatch.setattr(train_sft, "get_response_log_probs", scored)
+    monkeypatch.setattr(train_sft, "evaluate_sft", lambda model, tokenizer, args, writer, step, dataset: evaluated.append(step) or real_evaluate(model, tokenizer, args, writer, step, dataset))
+    monkeypatch.setattr(train_sft, "open_log", lambda folder, *args, **kwargs: Writer())
+    train_sft.main(["--model", str(task.sft), "--checkpoint_path", str(task.root / "sft_schedule"), "--data_dir", str(task.data),
+                    "--log_dir", str(task.root / "runs"), "--run_name", "sft_schedule", "--batch_size", "8", "--microbatch_size", "8",
+                    "--max_steps", "4", "--learning_rate", str(lr), "--warmup_steps", "2", "--lr_schedule", "cosine",
+                    "--eval_every", "2", "--eval_num_examples", "1", "--eval_max_tokens", "1"])
+    cosine = [0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)), 0.1]  # the schedule's factor after 0..4 steps
+    assert used == pytest.approx([lr * f for f in cosine[:4]])
+    assert [step for step, _ in logged["train/lr"]] == [1, 2, 3, 4]
+    assert [rate for _, rate in logged["train/lr"]] == pytest.approx([lr * cosine[step] for step in (1, 2, 3, 4)])
+    assert fresh == [True] * 4
+    assert evaluated == [2, 4]
