@@ -512,10 +512,11 @@ def test_a_folder_without_a_manifest_replaced_during_its_evaluation_is_not_recor
 def test_sft_steps_use_the_schedules_rate_on_fresh_gradients_and_log_the_rate_and_evaluations_once(task, monkeypatch):
     """Four SFT steps, two of warm-up, then cosine: each optimizer step uses the schedule's rate for its step (the
     scheduler after the optimizer), starts from cleared gradients (they would add up over steps otherwise),
-    train/lr is the rate the schedule gives after the step, and the last step is evaluated once, not twice."""
+    train/lr is the rate the schedule gives after the step, train/loss and train/nll_per_token are the step's NLL
+    over its examples and over its response tokens, and the last step is evaluated once, not twice."""
     import math
 
-    lr, used, fresh, evaluated, logged = 1e-3, [], [], [], {}
+    lr, used, fresh, evaluated, logged, scored_sums = 1e-3, [], [], [], {}, []
     real_optimizer, real_scored, real_evaluate = train_sft.build_optimizer, train_sft.get_response_log_probs, train_sft.evaluate_sft
 
     def recording_optimizer(*args, **kwargs):
@@ -525,7 +526,10 @@ def test_sft_steps_use_the_schedules_rate_on_fresh_gradients_and_log_the_rate_an
 
     def scored(model, *args, **kwargs):  # one microbatch a step: each call is a step's first
         fresh.append(all(parameter.grad is None for parameter in model.parameters()))
-        return real_scored(model, *args, **kwargs)
+        result = real_scored(model, *args, **kwargs)
+        mask = kwargs["positions"]
+        scored_sums.append((-(result["log_probs"].detach() * mask).sum().item(), mask.sum().item()))  # the step's NLL and response tokens
+        return result
 
     class Writer:
         def add_scalar(self, key, value, step):
@@ -550,4 +554,25 @@ def test_sft_steps_use_the_schedules_rate_on_fresh_gradients_and_log_the_rate_an
     assert [step for step, _ in logged["train/lr"]] == [1, 2, 3, 4]
     assert [rate for _, rate in logged["train/lr"]] == pytest.approx([lr * cosine[step] for step in (1, 2, 3, 4)])
     assert fresh == [True] * 4
+    # train/loss: the mean over the step's 8 examples of each one's summed NLL (--normalize_constant 1); nll_per_token: over its tokens
+    assert [value for _, value in logged["train/loss"]] == pytest.approx([nll / 8 for nll, _ in scored_sums], rel=1e-5)
+    assert [value for _, value in logged["train/nll_per_token"]] == pytest.approx([nll / tokens for nll, tokens in scored_sums], rel=1e-5)
+    assert all(tokens > 8 for _, tokens in scored_sums)
     assert evaluated == [2, 4]
+
+
+def test_sft_keeps_an_example_exactly_max_seq_len_tokens_long(task, capsys):
+    """--max_seq_len is the longest example kept: one of exactly that many tokens trains, one token more is dropped."""
+    from alignment.data import Gsm8kDataset
+    from alignment.rollout import load_tokenizer
+
+    dataset, tokenizer = Gsm8kDataset("train", task.data), load_tokenizer(task.sft)
+    lengths = [len(ids) for ids in tokenizer([p + c for p, c in zip(dataset.prompts, dataset.completions)])["input_ids"]]
+    longest = max(lengths)
+    for max_seq_len, dropped in ((longest, 0), (longest - 1, lengths.count(longest))):
+        train_sft.main(["--model", str(task.sft), "--checkpoint_path", str(task.root / f"sft_len_{max_seq_len}"), "--data_dir", str(task.data),
+                        "--log_dir", str(task.root / "runs"), "--run_name", f"sft_len_{max_seq_len}", "--batch_size", "8", "--max_steps", "1",
+                        "--max_seq_len", str(max_seq_len), "--eval_num_examples", "0"])
+        out = capsys.readouterr().out
+        assert (f"dropped {dropped} examples longer than --max_seq_len {max_seq_len}" in out) == bool(dropped), out[-1000:]
+        assert bool(dropped) or "dropped" not in out
