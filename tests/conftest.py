@@ -102,6 +102,26 @@ def update_settings(**changes):
     return replace(UpdateSettings(train_batch_size=16, train_mini_batch_size=8, logprob_chunk_size=0), **changes)
 
 
+class RecordingWriter:
+    """A TensorBoard SummaryWriter's calls, kept: `scalars` as (key, value, step), `texts` as (key, text, step)."""
+
+    def __init__(self):
+        self.scalars, self.texts = [], []
+
+    def add_scalar(self, key, value, step):
+        self.scalars.append((key, value, step))
+
+    def add_text(self, key, text, step):
+        self.texts.append((key, text, step))
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) of one scalar, in the order written."""
+        return [(step, value) for name, value, step in self.scalars if name == key]
+
+    def close(self):
+        pass
+
+
 def make_tiny_task(root: Path, num_train: int, num_test: int, seed: int) -> SimpleNamespace:
     """The synthetic task in GSM8K format plus a tiny Qwen2 whose tokenizer was trained on it.
 

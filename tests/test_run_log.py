@@ -6,22 +6,7 @@ import math
 from types import SimpleNamespace
 
 from alignment.run_log import RunLog, step_scalars
-
-
-class Writer:
-    """A SummaryWriter's two calls, kept."""
-
-    def __init__(self):
-        self.scalars, self.texts = [], []
-
-    def add_scalar(self, key, value, step):
-        self.scalars.append((key, value, step))
-
-    def add_text(self, key, text, step):
-        self.texts.append((key, text, step))
-
-    def close(self):
-        pass
+from conftest import RecordingWriter as Writer
 
 
 REWARDS = {"reward_mean": 0.5, "format_reward_mean": 1.0, "answer_reward_mean": 0.5, "reward_std": 0.5,

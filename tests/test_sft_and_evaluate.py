@@ -15,7 +15,7 @@ from alignment.drgrpo_grader import r1_zero_reward_fn
 from alignment.errors import RunStopped, UserError
 from alignment.evaluate import evaluate_math
 from alignment.rollout import Generation, SamplingSettings
-from conftest import make_tiny_task
+from conftest import RecordingWriter, make_tiny_task
 
 
 @pytest.fixture(scope="module")
@@ -516,7 +516,7 @@ def test_sft_steps_use_the_schedules_rate_on_fresh_gradients_and_log_the_rate_an
     over its examples and over its response tokens, and the last step is evaluated once, not twice."""
     import math
 
-    lr, used, fresh, evaluated, logged, scored_sums = 1e-3, [], [], [], {}, []
+    lr, used, fresh, evaluated, writer, scored_sums = 1e-3, [], [], [], RecordingWriter(), []
     real_optimizer, real_scored, real_evaluate = train_sft.build_optimizer, train_sft.get_response_log_probs, train_sft.evaluate_sft
 
     def recording_optimizer(*args, **kwargs):
@@ -531,32 +531,22 @@ def test_sft_steps_use_the_schedules_rate_on_fresh_gradients_and_log_the_rate_an
         scored_sums.append((-(result["log_probs"].detach() * mask).sum().item(), mask.sum().item()))  # the step's NLL and response tokens
         return result
 
-    class Writer:
-        def add_scalar(self, key, value, step):
-            logged.setdefault(key, []).append((step, value))
-
-        def add_text(self, *args):
-            pass
-
-        def close(self):
-            pass
-
     monkeypatch.setattr(train_sft, "build_optimizer", recording_optimizer)
     monkeypatch.setattr(train_sft, "get_response_log_probs", scored)
     monkeypatch.setattr(train_sft, "evaluate_sft", lambda model, tokenizer, args, writer, step, dataset: evaluated.append(step) or real_evaluate(model, tokenizer, args, writer, step, dataset))
-    monkeypatch.setattr(train_sft, "open_log", lambda folder, *args, **kwargs: Writer())
+    monkeypatch.setattr(train_sft, "open_log", lambda folder, *args, **kwargs: writer)
     train_sft.main(["--model", str(task.sft), "--checkpoint_path", str(task.root / "sft_schedule"), "--data_dir", str(task.data),
                     "--log_dir", str(task.root / "runs"), "--run_name", "sft_schedule", "--batch_size", "8", "--microbatch_size", "8",
                     "--max_steps", "4", "--learning_rate", str(lr), "--warmup_steps", "2", "--lr_schedule", "cosine",
                     "--eval_every", "2", "--eval_num_examples", "1", "--eval_max_tokens", "1"])
     cosine = [0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)), 0.1]  # the schedule's factor after 0..4 steps
     assert used == pytest.approx([lr * f for f in cosine[:4]])
-    assert [step for step, _ in logged["train/lr"]] == [1, 2, 3, 4]
-    assert [rate for _, rate in logged["train/lr"]] == pytest.approx([lr * cosine[step] for step in (1, 2, 3, 4)])
+    assert [step for step, _ in writer.series("train/lr")] == [1, 2, 3, 4]
+    assert [rate for _, rate in writer.series("train/lr")] == pytest.approx([lr * cosine[step] for step in (1, 2, 3, 4)])
     assert fresh == [True] * 4
     # train/loss: the mean over the step's 8 examples of each one's summed NLL (--normalize_constant 1); nll_per_token: over its tokens
-    assert [value for _, value in logged["train/loss"]] == pytest.approx([nll / 8 for nll, _ in scored_sums], rel=1e-5)
-    assert [value for _, value in logged["train/nll_per_token"]] == pytest.approx([nll / tokens for nll, tokens in scored_sums], rel=1e-5)
+    assert [value for _, value in writer.series("train/loss")] == pytest.approx([nll / 8 for nll, _ in scored_sums], rel=1e-5)
+    assert [value for _, value in writer.series("train/nll_per_token")] == pytest.approx([nll / tokens for nll, tokens in scored_sums], rel=1e-5)
     assert all(tokens > 8 for _, tokens in scored_sums)
     assert evaluated == [2, 4]
 
