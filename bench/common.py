@@ -98,7 +98,7 @@ def build_checkpoint(path, tiny: bool, data_dir=None, seed: int = 0) -> Path:
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         (partial / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eos_token_id}))
-        if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+        if path.is_dir() and not any(path.iterdir()):
             path.rmdir()
         try:
             partial.rename(path)
