@@ -273,3 +273,26 @@ def test_no_skip_zero_signal_runs_the_update_anyway(pipeline):
     assert logged[-1]["train/zero_signal_batches"] == 0
     assert all(s["train/loss"] == 0.0 and s["perf/train_tokens_per_s"] > 0 for s in logged)
 
+
+
+def test_a_training_state_restores_both_random_generators(tiny_model_and_tokenizer, tmp_path):
+    """--resume continues the draws a run would have made: Python's `random` and torch's CPU generator are
+    back where they were at the save, whatever was drawn between the save and the load."""
+    import random
+
+    from alignment.checkpoint import load_training_state, save_training_state
+
+    model, tokenizer = tiny_model_and_tokenizer
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    random.seed(7)
+    torch.manual_seed(7)
+    random.random(), torch.rand(3)  # the state to restore is not the seed's
+    state = save_training_state(tmp_path / "state", model, tokenizer, model.state_dict(), optimizer.state_dict(), scheduler,
+                                {"step": 3, "epoch": 0, "batch": 3, "tb_step": 3}, run={"run_id": "r"})
+    expected = [random.random() for _ in range(4)], torch.rand(4)
+    random.seed(99)
+    torch.manual_seed(99)
+    assert load_training_state(state, tmp_path / "runs")["step"] == 3
+    assert [random.random() for _ in range(4)] == expected[0]
+    assert torch.equal(torch.rand(4), expected[1])
