@@ -18,15 +18,22 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _check_device(text: str, flag: str, num_gpus: int) -> str:
+def _canonical(text: str) -> str:
+    """One spelling per device, so that roles compare equal: " cuda:07" is cuda:7."""
     text = text.strip()
-    if text == "cpu":
-        return text
-    if text.startswith("cuda:") and text[5:].isdigit():
-        if int(text[5:]) >= num_gpus:
-            raise UserError(f"{flag} {text} does not exist: this machine has {num_gpus} GPU(s); pass a device that exists or --layout auto")
-        return text
-    raise UserError(f"{flag} {text!r} is not a device: use cuda:N or cpu")
+    return f"cuda:{int(text[5:])}" if text.startswith("cuda:") and text[5:].isdigit() else text
+
+
+def _check_device(text: str, flag: str, num_gpus: int) -> str:
+    """The device a flag names, in its one spelling; a UserError naming the flag if it is none or does not exist."""
+    device = _canonical(text)
+    if device == "cpu":
+        return device
+    if device.startswith("cuda:") and device[5:].isdigit():
+        if int(device[5:]) >= num_gpus:
+            raise UserError(f"{flag} {text.strip()} does not exist: this machine has {num_gpus} GPU(s); pass a device that exists or --layout auto")
+        return device
+    raise UserError(f"{flag} {text.strip()!r} is not a device: use cuda:N or cpu")
 
 
 def auto_layout(num_gpus: int) -> dict[str, object]:
@@ -70,7 +77,7 @@ def partition_model_across_devices(args, num_layers: int, num_gpus: int | None =
     elif num_gpus == 0:
         policy = ["cpu"]
     else:
-        taken = {args.sample_device, args.reference_model_device, args.eval_device}
+        taken = {_canonical(device) for device in (args.sample_device, args.reference_model_device, args.eval_device)}
         policy = [f"cuda:{i}" for i in range(num_gpus) if f"cuda:{i}" not in taken]
         if not policy:
             raise UserError(
@@ -84,8 +91,8 @@ def partition_model_across_devices(args, num_layers: int, num_gpus: int | None =
 
 
 def resolve_role_devices(args, num_layers: int, num_gpus: int | None = None) -> dict[str, object]:
-    """The role -> device table: the device flags as given (seed), or with --layout auto the
-    placement for this machine's GPUs. `args` is left as parsed.
+    """The role -> device table: the device flags as given (seed), each in one spelling (cuda:07 is
+    cuda:7), or with --layout auto the placement for this machine's GPUs. `args` is left as parsed.
 
     Raises UserError naming the flag when a device does not exist.
     """
@@ -96,8 +103,8 @@ def resolve_role_devices(args, num_layers: int, num_gpus: int | None = None) -> 
         layout = auto_layout(num_gpus)
         args = argparse.Namespace(**{**vars(args), "sample_device": layout["sample"], "reference_model_device": layout["reference"],
                                      "eval_device": layout["eval"], "policy_devices": args.policy_devices or ",".join(layout["policy"])})
-    for flag, value in (("--sample_device", args.sample_device), ("--reference_model_device", args.reference_model_device), ("--eval_device", args.eval_device)):
-        _check_device(value, flag, num_gpus)
+    roles = (("sample_device", "--sample_device"), ("reference_model_device", "--reference_model_device"), ("eval_device", "--eval_device"))
+    args = argparse.Namespace(**{**vars(args), **{name: _check_device(getattr(args, name), flag, num_gpus) for name, flag in roles}})
     main_device, layer_devices = partition_model_across_devices(args, num_layers, num_gpus)
     return {
         "sample": args.sample_device,

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from alignment.devices import auto_layout, format_role_table, partition_model_across_devices, place_model, resolve_role_devices
+from alignment.devices import auto_layout, format_role_table, partition_model_across_devices, place_model, resolve_dtype, resolve_role_devices
 from alignment.errors import UserError
 
 
@@ -38,6 +38,7 @@ def test_partition_with_no_gpu_left_is_a_clear_error():
         (0, "cpu", "cpu", "cpu", ["cpu"]),
         (1, "cuda:0", "cuda:0", "cuda:0", ["cuda:0"]),
         (2, "cuda:1", "cuda:0", "cuda:1", ["cuda:0"]),
+        (3, "cuda:2", "cuda:1", "cuda:2", ["cuda:0", "cuda:1"]),  # still the 2-3 rule: three GPUs cannot give four roles their own
         (4, "cuda:3", "cuda:2", "cuda:1", ["cuda:0"]),
         (8, "cuda:7", "cuda:6", "cuda:5", ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:4"]),
     ],
@@ -58,6 +59,40 @@ def test_explicit_devices_must_exist():
         resolve_role_devices(seed_args(sample_device="cpu", reference_model_device="cpu", eval_device="gpu1"), num_layers=4, num_gpus=0)
     with pytest.raises(UserError, match="--policy_devices cuda:3 does not exist"):
         resolve_role_devices(seed_args(layout="auto", policy_devices="cuda:0,cuda:3"), num_layers=4, num_gpus=2)
+
+
+def test_a_device_index_equal_to_the_gpu_count_does_not_exist():
+    """GPUs are numbered from 0: on 2 GPUs cuda:1 is the last one and cuda:2 is refused at start-up, not when a tensor moves there."""
+    roles = resolve_role_devices(seed_args(sample_device="cuda:1", reference_model_device="cuda:1", eval_device="cuda:1"), num_layers=2, num_gpus=2)
+    assert (roles["sample"], roles["policy_main"], roles["policy_layers"]) == ("cuda:1", "cuda:0", ["cuda:0", "cuda:0"])
+    with pytest.raises(UserError, match=r"^--sample_device cuda:2 does not exist: this machine has 2 GPU\(s\)"):
+        resolve_role_devices(seed_args(sample_device="cuda:2", reference_model_device="cuda:1", eval_device="cuda:1"), num_layers=2, num_gpus=2)
+    with pytest.raises(UserError, match=r"^--policy_devices cuda:2 does not exist"):
+        partition_model_across_devices(seed_args(policy_devices="cuda:0,cuda:2"), num_layers=2, num_gpus=2)
+
+
+def test_a_role_device_spelled_another_way_is_still_kept_from_the_policy():
+    """`--sample_device cuda:07` (or with a space) is cuda:7: the policy's layers must not be spread onto the sampler's
+    GPU because the flag's text differs from the name the partition builds."""
+    seed = resolve_role_devices(seed_args(), num_layers=28, num_gpus=8)
+    for spelling in ("cuda:07", " cuda:7", "cuda:7 "):
+        roles = resolve_role_devices(seed_args(sample_device=spelling), num_layers=28, num_gpus=8)
+        assert roles == seed
+        assert "cuda:7" not in roles["policy_layers"]
+    assert partition_model_across_devices(seed_args(eval_device="cuda:005"), num_layers=28, num_gpus=8) == (seed["policy_main"], seed["policy_layers"])
+
+
+def test_policy_devices_may_be_written_with_spaces_after_the_commas():
+    """`--policy_devices "cuda:0, cuda:1"` (as people type lists) names the same two GPUs as "cuda:0,cuda:1"."""
+    expected = ("cuda:0", ["cuda:0", "cuda:0", "cuda:1", "cuda:1"])
+    assert partition_model_across_devices(seed_args(policy_devices="cuda:0, cuda:1"), num_layers=4, num_gpus=2) == expected
+    assert partition_model_across_devices(seed_args(policy_devices=" cuda:0 ,cuda:1 "), num_layers=4, num_gpus=2) == expected
+
+
+def test_auto_dtype_is_bf16_on_every_gpu_and_fp32_on_the_cpu():
+    """--dtype auto: bf16 on any GPU (a policy on cuda:1 under --layout explicit too), fp32 on the CPU; an explicit dtype is kept."""
+    assert [resolve_dtype("auto", device) for device in ("cuda:0", "cuda:1", "cuda:7", "cpu")] == [torch.bfloat16] * 3 + [torch.float32]
+    assert (resolve_dtype("float32", "cuda:1"), resolve_dtype("bfloat16", "cpu")) == (torch.float32, torch.bfloat16)
 
 
 def test_role_table_names_every_role():
