@@ -74,6 +74,13 @@ def _fails_with(main, argv, capsys, pattern):
         (["--scoring_temperature", "1e-300"], "--scoring_temperature: must be between 0.01 and 100, got 1e-300"),
         (["--repetition_penalty", "1e-300"], "--repetition_penalty: must be between 0.01 and 100 (1 = none), got 1e-300"),
         (["--seed", str(2**64)], "--seed: must be an integer in [0, 2^32), got 18446744073709551616"),
+        # one step past each bound (the values at the bounds pass: test_a_value_exactly_at_a_bound_is_accepted)
+        (["--seed", str(2**32)], "--seed: must be an integer in [0, 2^32), got 4294967296"),
+        (["--rollout_staleness", "-1"], "--rollout_staleness: must be >= 0, got -1"),
+        (["--learning_rate", "inf"], "--learning_rate: must be a positive number, got inf"),
+        (["--scoring_temperature", "0"], "--scoring_temperature: must be between 0.01 and 100, got 0"),  # logits / 0: no greedy scoring
+        (["--adam_betas", "0.9", "1"], "--adam_betas: must be in [0, 1), got 1"),
+        (["--cliprange", "1"], "--cliprange 1.0 must be below 1"),
     ],
 )
 def test_rl_flag_validation(flags, pattern, capsys, toy_data):
@@ -100,6 +107,71 @@ def test_sft_and_eval_validation(capsys, toy_data, tmp_path):
     _fails_with(evaluate.main, ["--data_dir", str(toy_data), "--model_path", "x", "--temperature", "1e-300"], capsys, "--temperature: must be 0 (greedy) or between")
     _fails_with(evaluate.main, ["--data_dir", str(toy_data), "--model_path", "x", "--seed", "-1"], capsys, "--seed: must be an integer in [0, 2^32)")
     _fails_with(train_sft.main, ["--data_dir", str(toy_data), "--seed", str(2**64)], capsys, "--seed: must be an integer in [0, 2^32)")
+
+
+@pytest.mark.parametrize("flags, name, value", [
+    (["--sampling_top_p", "1"], "sampling_top_p", 1.0),
+    (["--eval_top_p", "1"], "eval_top_p", 1.0),
+    (["--seed", str(2**32 - 1)], "seed", 2**32 - 1),
+    (["--sampling_temperature", "0.01"], "sampling_temperature", 0.01),
+    (["--sampling_temperature", "100"], "sampling_temperature", 100.0),
+    (["--repetition_penalty", "100"], "repetition_penalty", 100.0),
+    (["--adam_betas", "0", "0.999"], "adam_betas", [0.0, 0.999]),
+    (["--cliprange", "0.99"], "cliprange", 0.99),
+    (["--rollout_staleness", "0"], "rollout_staleness", 0),
+    (["--overlong", "penalty", "--overlong_buffer", "1024"], "overlong_buffer", 1024),  # the whole response ramps
+    (["--eval_samples", "4", "--eval_pass_k", "4"], "eval_pass_k", 4),  # pass@N from N samples
+], ids=["top_p_1", "eval_top_p_1", "largest_seed", "lowest_temperature", "highest_temperature", "highest_penalty", "beta_0",
+        "cliprange_below_1", "staleness_0", "overlong_buffer_the_whole_response", "pass_k_equal_to_samples"])
+def test_a_value_exactly_at_a_bound_is_accepted(flags, name, value, toy_data):
+    """Each range check is exact at its closed end: top_p 1 is the documented default, 2^32 - 1 the largest seed
+    torch takes, an overlong buffer of --sampling_max_tokens ramps over the whole response (its help says [1, max])."""
+    args = parse_rl_args(["--data_dir", str(toy_data), *flags])
+    assert getattr(args, name) == value
+
+
+def test_rl_defaults_are_the_documented_values(toy_data):
+    """The defaults the help texts and README promise (seed values unless noted), as parsed and derived:
+    a changed default silently changes every run that leaves the flag out."""
+    args = parse_rl_args(["--data_dir", str(toy_data)])
+    assert args.adam_betas == (0.9, 0.95)  # not torch's (0.9, 0.999)
+    assert (args.learning_rate, args.weight_decay, args.max_grad_norm, args.warmup_steps) == (1e-6, 0.0, 1.0, 0)
+    assert (args.seed, args.group_size, args.rollout_batch_size, args.train_mini_batch_size) == (42, 8, 32, 8)
+    assert (args.train_batch_size, args.gradient_accumulation_steps) == (256, 32)  # one step per rollout batch
+    assert (args.loss_type, args.cliprange, args.cliprange_high, args.old_policy) == ("grpo_clip", 0.2, 0.2, "rollout")
+    assert (args.kl_coef, args.kl_estimator, args.kl_in, args.length_normalization) == (0.0, "k3", "loss", "mean")
+    assert (args.sampling_temperature, args.scoring_temperature, args.sampling_top_p, args.repetition_penalty) == (1.0, 1.0, 1.0, 1.1)
+    assert (args.sampling_min_tokens, args.sampling_max_tokens, args.length_normalization_constant) == (4, 1024, 1024.0)
+    assert (args.eval_temperature, args.eval_repetition_penalty, args.eval_samples_temperature) == (0.0, 1.1, 1.0)
+    assert (args.dtype, args.fp32_master_weights, args.sampler_logprobs_every, args.logprob_chunk_size) == ("auto", True, 10, 1024)
+    assert (args.rollout_sync_every, args.rollout_staleness, args.tis_cap, args.mismatch_correction) == (1, 0, 2.0, "tis")
+    assert (args.layout, args.sample_device, args.reference_model_device, args.eval_device) == ("explicit", "cuda:7", "cuda:6", "cuda:5")
+    assert args.state_dir == os.path.join("checkpoints", "rl.state")
+
+
+def test_sft_microbatch_size_need_not_divide_the_batch_when_microbatches_are_cut_by_tokens(toy_data):
+    """With --microbatch_tokens the rows per microbatch come from the token budget, so --microbatch_size is unused
+    and its divisibility check must not refuse the command (it still does without --microbatch_tokens)."""
+    from alignment.args import parse_sft_args
+    from alignment.errors import UserError
+
+    args = parse_sft_args(["--data_dir", str(toy_data), "--batch_size", "10", "--microbatch_size", "4", "--microbatch_tokens", "512"])
+    assert (args.batch_size, args.microbatch_size, args.microbatch_tokens) == (10, 4, 512)
+    with pytest.raises(UserError, match=r"--microbatch_size 4 must divide --batch_size 10"):
+        parse_sft_args(["--data_dir", str(toy_data), "--batch_size", "10", "--microbatch_size", "4"])
+
+
+def test_a_bare_name_that_is_no_folder_is_refused_while_an_org_slash_name_passes_as_a_hub_id(tmp_path, monkeypatch):
+    """check_checkpoint: `org/name` with no such folder goes to the hub; a bare name (a typo of a local folder) and
+    anything that looks like a path fail at once in one line instead of as a hub download error after the imports."""
+    from alignment.args import check_checkpoint
+    from alignment.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    check_checkpoint("Qwen/Qwen2.5-Math-1.5B", "--model_path", "hint")  # a hub id: no error
+    for path in ("my_sft_model", "runs/a/b", "./Qwen/Qwen2.5-Math-1.5B"):
+        with pytest.raises(UserError, match=rf"^--model_path {path} does not exist; hint$"):
+            check_checkpoint(path, "--model_path", "hint")
 
 
 def test_no_baseline_forces_group_size_one(toy_data):
@@ -244,7 +316,7 @@ def test_every_command_in_the_readme_parses(toy_data):
         parsers[tool](flags + ["--data_dir", str(toy_data)])
 
 
-def test_given_flags_are_the_ones_on_the_command_line_whatever_their_value():
+def test_given_flags_are_the_ones_on_the_command_line_whatever_their_value(toy_data):
     """Eval-only checks only the training flags a command gives (check_checkpoint_flags): a flag
     given with its default value counts, a flag left out does not, an abbreviation is its flag."""
     from alignment.args import EVALUATION_SIDE_FLAGS, RUN_DEFINING_FLAGS, build_rl_parser, given_flags
@@ -252,7 +324,7 @@ def test_given_flags_are_the_ones_on_the_command_line_whatever_their_value():
     argv = ["--learning_rate", "3e-6", "--no-skip_zero_signal", "--seed", "42", "--group_si", "8"]
     assert given_flags(build_rl_parser(), argv) == ["group_size", "learning_rate", "seed", "skip_zero_signal"]
     assert given_flags(build_rl_parser(), []) == []
-    assert parse_rl_args(argv).given_flags == ["group_size", "learning_rate", "seed", "skip_zero_signal"]
+    assert parse_rl_args([*argv, "--data_dir", str(toy_data)]).given_flags == ["data_dir", "group_size", "learning_rate", "seed", "skip_zero_signal"]
     flags = set(vars(build_rl_parser().parse_args([])))
     assert set(EVALUATION_SIDE_FLAGS) <= flags  # a misspelt name would leave its flag checked
     assert not set(EVALUATION_SIDE_FLAGS) & set(RUN_DEFINING_FLAGS)

@@ -23,6 +23,7 @@ import pytest
 from alignment import checkpoint, evaluate, train_rl, train_sft
 from alignment.checkpoint import MANIFEST_NAME, OutputLock, file_sha256, has_training_state, read_manifest, unfinished_runs_from, verify_manifest, write_atomically
 from alignment.errors import UserError, run_cli
+from alignment.interrupts import StopOnSignal, resume_command
 from conftest import REPO_ROOT, make_tiny_task, steps_log, train_rl_flags
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
@@ -467,6 +468,84 @@ def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(pipeline
     assert finished.returncode == 0, finished.stderr[-3000:]
     steps = [s["step"] for s in steps_log(pipeline, name)]
     assert steps == list(range(1, 7))
+
+
+def quiet(text, **_):
+    """StopOnSignal's `say`, kept silent."""
+
+
+def test_a_first_signal_only_sets_the_flag_and_only_a_second_ctrl_c_stops_at_once():
+    """StopOnSignal: SIGTERM, even twice (a scheduler's repeat, or a group's signal on top of torchrun's forward to each
+    rank), lets the step finish and exits 143; a second Ctrl-C raises KeyboardInterrupt. Before any signal the exit code
+    is SIGTERM's: under torchrun another rank received it."""
+    def send(signum):  # a KeyboardInterrupt that escapes a test ends the whole pytest session: make it this test's failure
+        try:
+            signal.raise_signal(signum)
+        except KeyboardInterrupt:
+            pytest.fail(f"{signal.Signals(signum).name} stopped at once (KeyboardInterrupt)")
+
+    with StopOnSignal(say=quiet) as stop:
+        assert (stop.received, stop.exit_code, stop.name) == (None, 143, "a signal to another rank")
+        send(signal.SIGTERM)
+        send(signal.SIGTERM)
+        assert (stop.received, stop.exit_code, stop.name) == (signal.SIGTERM, 143, "SIGTERM")
+    with StopOnSignal(say=quiet) as stop:
+        send(signal.SIGINT)
+        assert (stop.received, stop.exit_code, stop.name) == (signal.SIGINT, 130, "SIGINT")
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+
+
+def test_stop_on_signal_puts_back_the_handlers_it_replaced():
+    """After the `with` block (train_rl.main and train_sft.main returned, e.g. a sweep or a notebook calling them in turn)
+    each signal has its earlier handler again: a Ctrl-C must not go on setting the flag of a run that is over."""
+    before = {signum: signal.getsignal(signum) for signum in StopOnSignal.SIGNALS}
+
+    def mine(signum, frame):
+        pass
+
+    try:
+        signal.signal(signal.SIGTERM, mine)
+        with StopOnSignal(say=quiet) as stop:
+            assert all(signal.getsignal(signum) == stop._handle for signum in StopOnSignal.SIGNALS)
+        assert signal.getsignal(signal.SIGTERM) is mine
+        assert all(signal.getsignal(signum) is before[signum] for signum in StopOnSignal.SIGNALS if signum != signal.SIGTERM)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="SIGHUP (POSIX)")
+def test_after_sighup_writes_to_a_terminal_that_is_gone_are_dropped(monkeypatch):
+    """A dropped ssh session: SIGHUP, then stdout and stderr fail on every write, as a closed file (ValueError) or a
+    broken pipe (OSError). The handler's own message and every later print are dropped; the run exits 129."""
+    import io
+
+    class BrokenPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stdout", closed)
+    monkeypatch.setattr(sys, "stderr", BrokenPipe())
+    with StopOnSignal() as stop:  # says with print, to the stdout that is gone
+        signal.raise_signal(signal.SIGHUP)
+    assert (stop.received, stop.exit_code, stop.name) == (signal.SIGHUP, 129, "SIGHUP")
+    print("after the hang-up", flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    assert sys.stdout.write("abc") == 3 and sys.stderr.write("abcd") == 4
+
+
+def test_the_resume_command_adds_resume_once_and_quotes_for_the_shell():
+    """The command a stop prints: the same flags plus one --resume (a resumed run stopped again prints no second one),
+    quoted so that it can be pasted into a shell."""
+    assert resume_command(["--seed", "1"]) == "python -m alignment.train_rl --seed 1 --resume"
+    assert resume_command(["--run_name", "my run", "--resume", "--max_steps", "6"]) == "python -m alignment.train_rl --run_name 'my run' --resume --max_steps 6"
+    assert resume_command([], module="alignment.train_sft") == "python -m alignment.train_sft --resume"
 
 
 def test_an_epochs_checkpoint_of_a_stopped_run_is_not_taken_for_its_result(tmp_path, monkeypatch, capsys):

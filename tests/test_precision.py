@@ -8,7 +8,7 @@ from alignment import train_rl
 from alignment.grpo import normalize_group_rewards
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.policy_update import sequence_lengths, update_policy
-from alignment.precision import autocast
+from alignment.precision import autocast, describe, master_dtype
 from alignment.rollout import load_hf_model, load_tokenizer
 from alignment.sft_helpers import get_response_log_probs, tokenize_rollout_ids
 from conftest import make_tiny_task, steps_log, train_rl_flags, update_settings
@@ -61,6 +61,26 @@ def test_fp32_master_weights_with_bf16_compute_follow_the_fp32_update(task, chun
     assert (mixed != 0).float().mean() >= 0.99
     assert cosine(pure, reference, dim=0) < 0.5  # measured 0.14 on this model
     assert (pure != 0).float().mean() < 0.1  # measured 2%
+
+
+def test_autocast_runs_cpu_matmuls_in_the_compute_dtype_and_fp32_is_a_no_op():
+    """autocast() picks the device type from the device string: on "cpu" (the demo, CI) a bf16 compute dtype must
+    really compute in bf16, or the sampler and the trainer would score in fp32 while --dtype says bf16."""
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with autocast("cpu", torch.bfloat16):
+        assert (a @ b).dtype == torch.bfloat16
+        assert torch.is_autocast_enabled("cpu")
+    with autocast("cpu", torch.float32):
+        assert (a @ b).dtype == torch.float32
+        assert not torch.is_autocast_enabled("cpu")
+
+
+def test_the_start_up_line_names_the_master_and_the_compute_dtype():
+    """precision.describe, printed by train_rl and train_sft: mixed precision names both dtypes, a pure one says 'all'."""
+    assert master_dtype(torch.bfloat16, True) == torch.float32 and master_dtype(torch.bfloat16, False) == torch.bfloat16
+    assert describe(torch.float32, torch.bfloat16) == "policy master weights, gradients and AdamW state fp32; forward/backward under autocast bf16"
+    assert describe(torch.bfloat16, torch.bfloat16) == "policy weights, gradients, AdamW state and compute all bf16"
+    assert describe(torch.float32, torch.float32) == "policy weights, gradients, AdamW state and compute all fp32"
 
 
 def test_fused_log_probs_under_autocast_give_fp32_gradients_like_the_naive_path(task):
