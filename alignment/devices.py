@@ -177,11 +177,11 @@ def place_model(model, main_device: str, layer_devices: list[str]) -> None:
     decoder.norm.register_forward_pre_hook(_inputs_to_device(main_device), with_kwargs=True)
 
 
-def resolve_device(flag_value: str) -> str:
-    """`auto` -> cuda:0 when a GPU exists, else cpu; other values are checked."""
+def resolve_device(flag_value: str, flag: str = "--device") -> str:
+    """`auto` -> cuda:0 when a GPU exists, else cpu; other values are checked (a UserError naming `flag`)."""
     if flag_value == "auto":
         return "cuda:0" if gpu_count() else "cpu"
-    return _check_device(flag_value, "--device", gpu_count())
+    return _check_device(flag_value, flag, gpu_count())
 
 
 def resolve_dtype(flag_value: str, device: str) -> torch.dtype:

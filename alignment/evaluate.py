@@ -239,7 +239,8 @@ def evaluate_checkpoint(args, setup: dict) -> dict:
     if len(saved_at) == 2 and saved_at["step"] < saved_at["total_steps"]:
         print(f"note: {args.checkpoint_path} is the policy after step {saved_at['step']} of {saved_at['total_steps']} (an epoch's checkpoint of a run "
               f"that stopped before its end, with no training state to resume): not that run's result; {start_over(Path(args.log_dir) / args.run_name, args.checkpoint_path)} to train from the start")
-    device = args.eval_device if args.layout == "explicit" else resolve_role_devices(args, 1)["eval"]
+    # the seed's --eval_device as given (checked: a GPU this machine lacks is one line, not a CUDA error), or the auto layout's
+    device = resolve_device(args.eval_device, "--eval_device") if args.layout == "explicit" else resolve_role_devices(args, 1)["eval"]
     engine = build_engine(args.rollout_backend, args.checkpoint_path, device, resolve_dtype(args.dtype, device), args.seed, args)
     eval_set = Gsm8kDataset(args.eval_split, args.data_dir, limit=args.eval_num_examples)
     torch.manual_seed(args.seed)

@@ -611,7 +611,9 @@ def test_a_full_disk_under_the_logs_stops_the_run_with_one_line_and_the_resume_c
 
 def test_a_signal_in_the_last_step_keeps_the_trained_policy(pipeline, monkeypatch, capsys):
     """SIGTERM during the last of 3 steps (not an epoch's end, a state every 2): the stop used to come before the
-    final save, so the whole run was thrown away and the message said a rerun starts over."""
+    final save, so the whole run was thrown away and the message said a rerun starts over. The rerun evaluates it;
+    with the seed's explicit layout and an --eval_device the machine lacks it is refused in one line (it was a CUDA
+    error from deep inside torch)."""
     from alignment.errors import RunStopped
 
     real_scalars = train_rl.step_scalars
@@ -635,6 +637,9 @@ def test_a_signal_in_the_last_step_keeps_the_trained_policy(pipeline, monkeypatc
     written = json.loads((pipeline.root / "runs" / "last_step" / "eval_only_metrics.json").read_text())
     assert (written["checkpoint_step"], written["checkpoint_total_steps"]) == (3, 3)
     assert "not that run's result" not in capsys.readouterr().out
+    # the seed's explicit layout evaluates on --eval_device as given: one this machine lacks is one line naming the flag
+    code, err = train_rl_cli(capsys, [*argv, "--layout", "explicit", "--eval_device", "cuda:99"])
+    assert code == 2 and re.fullmatch(r"error: --eval_device cuda:99 does not exist: this machine has \d+ GPU\(s\); pass a device that exists or --layout auto\n", err)
 
 
 # ----------------------------------------------------------- 8. safe loading
