@@ -1,5 +1,6 @@
 """Rollout engines: vLLM and HF agree greedily, and weight sync makes the sampler follow the policy."""
 
+import contextlib
 import copy
 import os
 import shutil
@@ -251,13 +252,19 @@ def saying(model, token_ids):
     return clone
 
 
-def engine_with(backend, policy, tokenizer, request):
-    """An HF engine on a copy of `policy`, or the module's vLLM engine loaded with its weights (the caller loads the tiny checkpoint's back)."""
+@contextlib.contextmanager
+def engine_with(backend, policy, tokenizer, request, restore):
+    """An HF engine on a copy of `policy`, or the module's vLLM engine loaded with its weights; the vLLM engine gets
+    `restore`'s weights back however the block ends, a load that failed half-way included (later tests share it)."""
     if backend == "hf":
-        return HfEngine(copy.deepcopy(policy), tokenizer)
+        yield HfEngine(copy.deepcopy(policy), tokenizer)
+        return
     engine = request.getfixturevalue("vllm_engine")
-    engine.load_weights(policy.state_dict().items())
-    return engine
+    try:
+        engine.load_weights(policy.state_dict().items())
+        yield engine
+    finally:
+        engine.load_weights(restore.state_dict().items())
 
 
 @pytest.mark.parametrize("backend", ["hf", "vllm"])
@@ -267,12 +274,9 @@ def test_generation_stops_at_the_answer_tag_and_keeps_it(backend, tiny_model_and
     model, tokenizer = tiny_model_and_tokenizer
     tag_ids = tokenizer.encode(" </answer>")
     assert len(tag_ids) == 3  # " </", "answer", ">": the stop string is only whole after its last token
-    engine = engine_with(backend, saying(model, tag_ids), tokenizer, request)
     prompts = [prompt + " 3 plus 4 is 7 </think> <answer> 7" for prompt in PROMPTS]  # not "<think>": its ">" is the tag's own last token
-    try:
+    with engine_with(backend, saying(model, tag_ids), tokenizer, request, restore=model) as engine:
         generations = engine.generate(prompts, SamplingSettings(temperature=1.0, max_tokens=8))
-    finally:
-        engine.load_weights(model.state_dict().items())
     assert [g.token_ids for g in generations] == [tag_ids] * len(PROMPTS)
     assert [g.text for g in generations] == [" </answer>"] * len(PROMPTS)
 
@@ -282,12 +286,9 @@ def test_min_tokens_holds_back_the_eos_the_model_wants_at_once(backend, tiny_mod
     """--sampling_min_tokens (4 by default): EOS is masked for the first tokens, then taken."""
     model, tokenizer = tiny_model_and_tokenizer
     eos = tokenizer.eos_token_id
-    engine = engine_with(backend, saying(model, [eos]), tokenizer, request)
-    try:
+    with engine_with(backend, saying(model, [eos]), tokenizer, request, restore=model) as engine:
         at_once = engine.generate(PROMPTS, SamplingSettings(temperature=1.0, min_tokens=0, max_tokens=8))
         held_back = engine.generate(PROMPTS, SamplingSettings(temperature=1.0, min_tokens=4, max_tokens=8))
-    finally:
-        engine.load_weights(model.state_dict().items())
     # EOS first: vLLM returns it, the HF engine drops it (it is also the pad token)
     assert all(g.token_ids in ([], [eos]) for g in at_once), [g.token_ids for g in at_once]
     # four tokens drawn among the others, then EOS
@@ -322,12 +323,9 @@ def test_sampling_keeps_to_the_top_p_nucleus(backend, tiny_model_and_tokenizer, 
     sampler's log-prob is the policy's renormalised over that nucleus (what the token was drawn from)."""
     model, tokenizer = tiny_model_and_tokenizer
     policy = perturbed(model, seed=3)
-    engine = engine_with(backend, policy, tokenizer, request)
-    torch.manual_seed(0)
-    try:
+    with engine_with(backend, policy, tokenizer, request, restore=model) as engine:
+        torch.manual_seed(0)
         generations = engine.generate(PROMPTS * 3, NUCLEUS)
-    finally:
-        engine.load_weights(model.state_dict().items())
     mass_above, nucleus_log_probs = nucleus_view(policy, tokenizer, PROMPTS * 3, generations, NUCLEUS.temperature, NUCLEUS.top_p)
     assert mass_above.numel() >= 60
     assert (mass_above < NUCLEUS.top_p + 1e-4).all(), f"a token drawn from outside the nucleus, {mass_above.max():.3f} of the mass above it"
