@@ -403,3 +403,126 @@ def test_one_step_off_under_torchrun_sigterm_saves_a_killed_rank_leaves_no_sampl
     assert f"at step {step}" in capsys.readouterr().out
     assert [s["step"] for s in steps_log(task, "ahead_stop")][-1] == 4
     assert (tmp_path / "rl" / "model.safetensors").is_file() and not (tmp_path / "rl.state").exists()
+
+
+COLLECTIVES_CHECK = """
+from alignment.distributed import TorchDistributed
+
+ranks = TorchDistributed()
+rank = ranks.rank
+assert ranks.world_size == 2 and ranks.local_rank == 0, (ranks.world_size, ranks.local_rank)
+assert ranks.is_main == (rank == 0), f"rank {rank} (local rank 0 on its node) thinks is_main={ranks.is_main}"
+assert ranks.all_true(rank == 0) is False and ranks.all_true(True) is True
+assert ranks.any_true(rank == 1) is True and ranks.any_true(False) is False
+assert ranks.mean(1.0 + 2 * rank) == 2.0  # ranks hold 1 and 3
+assert ranks.sum(1.0 + 2 * rank) == 4.0
+assert ranks.max(1.0 + 2 * rank) == 3.0
+assert ranks.gather([f"r{rank}a", f"r{rank}b"]) == ["r0a", "r0b", "r1a", "r1b"]  # rank order, on every rank
+ranks.close()
+print("collectives ok")
+"""
+
+
+def test_two_nodes_of_one_process_agree_on_every_collective_and_only_global_rank_0_is_main(tmp_path):
+    """The reductions train_rl relies on (all/any for stop and skip decisions, mean/sum/max for the logs, gather in rank order
+    for evaluation), on two "nodes" of one process each: both have LOCAL_RANK 0, and only global rank 0 may write."""
+    script = tmp_path / "collectives_check.py"
+    script.write_text(COLLECTIVES_CHECK)
+    port = str(free_port())
+    processes = [subprocess.Popen([sys.executable, str(script)], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env={**ENV, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                 for rank in (0, 1)]
+    try:
+        outputs = [process.communicate(timeout=120)[0] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    assert [process.returncode for process in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert all("collectives ok" in output for output in outputs)
+
+
+class _TwoRanks:
+    """Rank 0 of 2 without a process group: rank 1 saw twice rank 0's values, and `other_items` as its list."""
+
+    rank, world_size, is_main = 0, 2, True
+
+    def __init__(self, other_items=()):
+        self.other_items = list(other_items)
+
+    def mean(self, value):
+        return (value + 2 * value) / 2
+
+    def sum(self, value):
+        return value + 2 * value
+
+    def max(self, value):
+        return max(value, 2 * value)
+
+    def gather(self, items):
+        return list(items) + self.other_items
+
+
+def test_reduced_totals_average_the_means_and_add_the_counts_over_ranks():
+    """Per-rank means (loss, entropy, KL, clip fraction) become global means, while token counts, FLOPs (perf/mfu's numerator)
+    and the sampler sums add up over ranks; the largest sampler ratio is the largest of any rank."""
+    from alignment.distributed import reduce_totals
+
+    totals = {"loss": 0.2, "entropy": 1.0, "clip_fraction": 0.1, "kl_ref": 0.04, "tokens": 100, "flops": 1e9, "sampler_abs_diff": 5.0,
+              "sampler_ratio": 90.0, "sampler_tokens": 80, "tis_capped": 3, "sampler_ratio_max": 1.25, "grad_norm": 0.7}
+    reduced = reduce_totals(totals, _TwoRanks())
+    assert reduced["loss"] == pytest.approx(0.3) and reduced["entropy"] == pytest.approx(1.5)
+    assert reduced["clip_fraction"] == pytest.approx(0.15) and reduced["kl_ref"] == pytest.approx(0.06)
+    assert reduced["tokens"] == 300 and reduced["flops"] == pytest.approx(3e9)
+    assert (reduced["sampler_abs_diff"], reduced["sampler_ratio"], reduced["sampler_tokens"], reduced["tis_capped"]) == (15.0, 270.0, 240, 9)
+    assert reduced["sampler_ratio_max"] == 2.5
+    assert reduced["grad_norm"] == 0.7  # already global (FSDP reduced the gradients)
+    assert totals["tokens"] == 100  # the rank's own totals are left as they were
+
+
+def test_reward_statistics_are_over_every_ranks_rollouts():
+    """reward_std is the std of all ranks' rewards together (not a mean of per-rank stds); each fraction keeps its own key."""
+    import statistics
+
+    from alignment.distributed import reduce_reward_meta
+
+    own, other = [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]
+    meta = {"reward_mean": 0.25, "reward_std": 0.5, "reward_max": 1.0, "reward_min": 0.0, "format_reward_mean": 0.5,
+            "answer_reward_mean": 0.25, "fraction_groups_all_equal": 0.5, "fraction_groups_all_right": 0.25}
+    reduced = reduce_reward_meta(meta, torch.tensor(own), _TwoRanks(other))
+    assert reduced["reward_mean"] == pytest.approx(0.5)
+    assert reduced["reward_std"] == pytest.approx(statistics.stdev(own + other)) and reduced["reward_std"] == pytest.approx((2 / 7) ** 0.5)
+    assert (reduced["reward_max"], reduced["reward_min"]) == (1.0, 0.0)
+    assert reduced["format_reward_mean"] == pytest.approx(0.75) and reduced["answer_reward_mean"] == pytest.approx(0.375)
+    assert reduced["fraction_groups_all_equal"] == pytest.approx(0.75) and reduced["fraction_groups_all_right"] == pytest.approx(0.375)
+
+
+def test_batch_sizes_that_do_not_split_into_whole_shares_are_refused():
+    """Each rank takes whole prompts and an equal number of sequences per optimizer step."""
+    from types import SimpleNamespace
+
+    from alignment.distributed import check_fsdp_sizes
+    from alignment.errors import UserError
+
+    ranks = SimpleNamespace(world_size=2)
+    fine = SimpleNamespace(rollout_batch_size=4, train_batch_size=16, train_mini_batch_size=4, dynamic_sampling=False, dynamic_sampling_prompts=0)
+    check_fsdp_sizes(fine, ranks)
+    with pytest.raises(UserError, match="--rollout_batch_size 3 must be divisible by the 2 ranks"):
+        check_fsdp_sizes(SimpleNamespace(**{**vars(fine), "rollout_batch_size": 3}), ranks)
+    # 9 sequences a step (2 prompts x group 9, two steps a batch) on 2 ranks: 4.5 each, though 9 // 2 is a multiple of 1
+    with pytest.raises(UserError, match="--train_batch_size 9 / 2 ranks must be a multiple of --train_mini_batch_size 1"):
+        check_fsdp_sizes(SimpleNamespace(**{**vars(fine), "rollout_batch_size": 2, "train_batch_size": 9, "train_mini_batch_size": 1}), ranks)
+    with pytest.raises(UserError, match="--train_batch_size 12 / 2 ranks must be a multiple of --train_mini_batch_size 4"):
+        check_fsdp_sizes(SimpleNamespace(**{**vars(fine), "train_batch_size": 12}), ranks)
+
+
+def test_a_diverted_save_never_lands_on_an_existing_folder(tmp_path):
+    """<path>.step<N>, then -2, -3, ...: a folder already there (an earlier diverted save, the user's) is never replaced."""
+    from alignment.distributed import diverted_path
+
+    path = tmp_path / "rl"
+    assert diverted_path(path, 4) == tmp_path / "rl.step4"
+    (tmp_path / "rl.step4").mkdir()
+    assert diverted_path(path, 4) == tmp_path / "rl.step4-2"
+    (tmp_path / "rl.step4-2").write_text("a file")
+    assert diverted_path(path, 4) == tmp_path / "rl.step4-3"

@@ -6,6 +6,7 @@ return within a second (also from 8 threads at once), model text that must never
 Python, and worker processes that never re-run the caller's script.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -754,3 +755,41 @@ def is_running(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def talk_to_a_worker(requests: list[str], prelude: str = "") -> subprocess.CompletedProcess:
+    """Run `python -m alignment.grader_worker`'s main (after `prelude`, which may patch the grader), send it these request
+    lines, close its stdin (the worker then exits) and return what it wrote."""
+    return subprocess.run(
+        [sys.executable, "-c", f"{prelude}\nfrom alignment import grader_worker\ngrader_worker.main()"], input="".join(line + "\n" for line in requests),
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+
+
+def test_a_grading_worker_answers_null_to_a_request_outside_its_protocol_and_serves_on():
+    """Replies are one JSON value a line: a verdict list per "match" request, null (all wrong, for the grader) for anything
+    else, whether it fails to parse, has another kind or malformed questions; the worker must not die of one."""
+    match = '["match", [["\\\\frac{1}{2}", ["0.5"], true], ["3", ["4"], true]], 5]'
+    done = talk_to_a_worker([match, '["match", 5, 1]', '["grade", [["1", ["1"], true]], 1]', "not json", '["match", [["1", ["1"], true]]]', match])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [json.loads(line) for line in done.stdout.splitlines()] == ["ready", [True, False], None, None, None, None, [True, False]]
+
+
+def test_a_grading_workers_replies_stay_clean_when_a_library_prints():
+    """A stray print() inside the symbolic check goes to stderr; on the reply stream it would garble the next reply."""
+    prelude = ("from alignment import drgrpo_grader\nmatch = drgrpo_grader._symbolic_match\n"
+               "def noisy(*args):\n    print('a library talking', flush=True)\n    return match(*args)\ndrgrpo_grader._symbolic_match = noisy")
+    done = talk_to_a_worker(['["match", [["\\\\frac{1}{2}", ["0.5"], true]], 5]'] * 2, prelude)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ['"ready"', "[true]", "[true]"]
+    assert done.stderr.count("a library talking") == 2
+
+
+def test_a_grading_worker_bounds_each_match_by_the_seconds_it_was_sent():
+    """The grader sends each worker the time its caller has left: a check that needs 1 s is a verdict under 10 s and a
+    timeout (false) under 0.2 s, whatever the worker's own default limit."""
+    prelude = ("import time\nfrom alignment import drgrpo_grader\n"
+               "def slow(*args):\n    time.sleep(1.0)\n    return True\ndrgrpo_grader._symbolic_match = slow")
+    done = talk_to_a_worker(['["match", [["x", ["y"], true]], 10]', '["match", [["x", ["y"], true]], 0.2]'], prelude)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ['"ready"', "[true]", "[false]"]

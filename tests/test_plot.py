@@ -131,3 +131,77 @@ def test_a_figure_that_cannot_be_written_is_one_line(tmp_path):
         with pytest.raises(UserError, match=rf"^cannot write the figure to {re.escape(str(out))} \(.*\); pass --out a writable .png path$"):
             main([str(run), "--out", str(out)])
     assert main([str(run), "--out", str(tmp_path / "ok.png")]) == tmp_path / "ok.png"
+
+
+def captured_figures(monkeypatch) -> list:
+    """Figures that plot_run / plot_runs draw, kept open instead of written (their lines can then be read back)."""
+    from alignment import plot
+
+    figures = []
+    monkeypatch.setattr(plot, "_save", lambda figure, out: figures.append(figure) or out)
+    return figures
+
+
+def curves(axis) -> dict:
+    """label -> (x, y) of an axis' lines."""
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in axis.get_lines()}
+
+
+def test_a_runs_panels_draw_every_logged_point_of_the_right_series(tmp_path, monkeypatch):
+    """Each panel reads its own key from the right file: train curves from steps.jsonl, held-out accuracy from evals.jsonl
+    (the start checkpoint's at step 0), every point up to the last, zeros included, a null left out."""
+    import matplotlib.pyplot as plt
+
+    from alignment.plot import plot_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 1, "train/reward": 0.0, "train/format_reward": 0.5, "train/response_length": 30.0, "train/kl_ref": 0.0, "train/clip_fraction": 0.1},
+            {"step": 2, "train/reward": 0.25, "train/format_reward": 1.0, "train/response_length": 20.0, "train/kl_ref": None, "train/clip_fraction": 0.2},
+            {"step": 3, "train/reward": 0.5, "train/format_reward": 1.0, "train/response_length": 10.0, "train/kl_ref": 0.02, "train/clip_fraction": 0.3}]
+    (run / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (run / "evals.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ({"step": 2, "avg_all_rewards": 0.0, "format_reward": 0.5},
+                                                                               {"step": 3, "avg_all_rewards": 0.75, "format_reward": 1.0})))
+    figures = captured_figures(monkeypatch)
+    plot_run(run, start_eval={"avg_all_rewards": 0.125, "format_reward": 0.25})
+    axes = figures[0].axes
+    assert curves(axes[0]) == {"reward": ([1, 2, 3], [0.0, 0.25, 0.5]), "format rate": ([1, 2, 3], [0.5, 1.0, 1.0])}
+    assert curves(axes[1]) == {"accuracy": ([0, 2, 3], [0.125, 0.0, 0.75]), "format rate": ([0, 2, 3], [0.25, 0.5, 1.0])}
+    assert curves(axes[2]) == {"mean": ([1, 2, 3], [30.0, 20.0, 10.0])}
+    assert curves(axes[3]) == {"KL (k3)": ([1, 3], [0.0, 0.02]), "clipped tokens": ([1, 2, 3], [0.1, 0.2, 0.3])}
+    plt.close(figures[0])
+
+
+def test_side_by_side_runs_draw_accuracy_against_steps_and_training_minutes_and_the_train_curves(tmp_path, monkeypatch):
+    """One line per run in each panel: held-out accuracy at the evaluated steps and at the training minutes after them
+    (the start's evaluation at minute 0), train reward and response length per step."""
+    import matplotlib.pyplot as plt
+
+    from alignment.plot import plot_runs
+
+    runs = []
+    for name, reward in (("a", 0.25), ("b", 0.5)):
+        run = tmp_path / name
+        run.mkdir()
+        steps = [{"step": s, "perf/step_seconds": 60.0, "perf/eval_seconds": 30.0 if s == 2 else 0.0, "train/reward": reward * s,
+                  "train/response_length": 100.0 - s, "format_reward": 1.0} for s in (1, 2, 3)]
+        (run / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in steps))
+        (run / "evals.jsonl").write_text("".join(json.dumps({"step": s, "avg_all_rewards": accuracy, "format_reward": 1.0}) + "\n"
+                                                 for s, accuracy in ((0, 0.0), (2, reward), (3, 2 * reward))))
+        runs.append(str(run))
+    figures = captured_figures(monkeypatch)
+    plot_runs(runs, tmp_path / "compare.png")
+    axes = figures[0].axes  # (0, 0), (0, 1), (1, 0), (1, 1)
+    assert curves(axes[0]) == {"a": ([0, 2, 3], [0.0, 0.25, 0.5]), "b": ([0, 2, 3], [0.0, 0.5, 1.0])}
+    # 60 s a step, 30 s of step 2 evaluating: 0, 1.5 and 2.5 training minutes at steps 0, 2 and 3
+    assert curves(axes[1]) == {"a": ([0.0, 1.5, 2.5], [0.0, 0.25, 0.5]), "b": ([0.0, 1.5, 2.5], [0.0, 0.5, 1.0])}
+    assert curves(axes[2]) == {"a": ([1, 2, 3], [0.25, 0.5, 0.75]), "b": ([1, 2, 3], [0.5, 1.0, 1.5])}
+    assert curves(axes[3]) == {"a": ([1, 2, 3], [99.0, 98.0, 97.0]), "b": ([1, 2, 3], [99.0, 98.0, 97.0])}
+    plt.close(figures[0])
+
+
+def test_a_torn_line_inside_a_log_is_skipped_and_the_lines_after_it_are_read(tmp_path):
+    """A line cut short is skipped, not the end of the file: the steps logged after it still count."""
+    log = tmp_path / "steps.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2, "train/rew\n{"step": 3}\n')
+    assert read_jsonl(log) == [{"step": 1}, {"step": 3}]
