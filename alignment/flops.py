@@ -3,9 +3,10 @@
 MFU = the FLOPs the update needs / seconds / the accelerator's dense bf16 peak, as
 nanoGPT prints it. Needed FLOPs (PaLM appendix B): 6 x the matmul parameters per token
 (decoder layers; the lm_head only where the loss reads logits, i.e. response tokens)
-+ 6 x layers x query width (heads x head_dim, the hidden size in most configs) x context for causal attention. Recomputation (gradient
-checkpointing, the fused log-prob's second lm_head pass) is work the hardware does,
-not model FLOPs, so it lowers MFU.
++ 6 x layers x query width (heads x head_dim, in most configs the hidden size) x
+context for causal attention. Recomputation (gradient checkpointing, the fused
+log-prob's second lm_head pass) is work the hardware does, not model FLOPs, so it
+lowers MFU.
 """
 
 import torch
