@@ -530,6 +530,7 @@ def write_atomically(path, write_into, kind: str, record: dict | None = None) ->
         if problem:
             raise UserError(f"{path} {problem}; it was left as it is, and nothing was saved there")
         temp = path.with_name(f"{_temp_prefix(path)}{os.getpid()}-{threading.get_ident()}")
+        backup, made_backup = _backup_path(path), False  # only a backup this save made is put back or removed
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             temp.mkdir()  # recover_checkpoint removed any earlier one of this name
@@ -538,16 +539,17 @@ def write_atomically(path, write_into, kind: str, record: dict | None = None) ->
             manifest = {"written_by": WRITER, "kind": kind, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(record or {}), "files": _file_table(temp)}
             (temp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
             _fsync_tree(temp)
-            backup = _backup_path(path)
             if _is_empty_folder(path):
                 path.rmdir()  # nothing to keep, and a backup is always a folder this tool wrote
             elif path.exists():
                 os.rename(path, backup)
+                made_backup = True
             os.rename(temp, path)
+            _fsync_folder(path.parent)  # the swap itself survives a power loss, not only the files
         except Exception as error:  # OSError, and torch.save's RuntimeError on a full disk
             shutil.rmtree(temp, ignore_errors=True)
-            if not path.exists() and _backup_path(path).is_dir():
-                os.rename(_backup_path(path), path)  # the second rename failed: the previous folder goes back
+            if made_backup and not path.exists():
+                os.rename(backup, path)  # the second rename failed: the previous folder goes back
             kept = f"the previous {path} is intact" if path.exists() else f"nothing was at {path} before"
             reason = (error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0] if str(error) else type(error).__name__)
             again = "run train_sft again (it keeps no resumable state)" if kind == "sft_checkpoint" else "run again (--resume continues from the last saved state)"
@@ -557,7 +559,7 @@ def write_atomically(path, write_into, kind: str, record: dict | None = None) ->
         # caller would stop a run whose new folder is in place); recover_checkpoint removes a leftover backup whose manifest is left
         try:
             (path / TEMP_MARKER_NAME).unlink(missing_ok=True)  # in place now: no longer a temp folder
-            if backup.exists():
+            if made_backup:
                 _remove_written_folder(backup)
         except OSError as error:
             print(f"warning: saved {path}, but could not remove the previous copy {backup} ({error.strerror or error}); remove it by hand if it is still there")
@@ -581,6 +583,21 @@ def _fsync_tree(folder: Path) -> None:
         if file.is_file():
             with open(file, "rb") as handle:
                 os.fsync(handle.fileno())
+    _fsync_folder(folder)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Put a folder's entries (the names of what was written or renamed in it) on disk, where the system allows it."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass  # a file system or platform that cannot sync a folder: the files themselves are synced
+    finally:
+        os.close(descriptor)
 
 
 def remove_output(path, kind: str, run_id: str | None = None) -> bool:
