@@ -1340,3 +1340,172 @@ def test_an_empty_log_folder_is_taken_and_marked(tmp_path):
     empty.mkdir(parents=True)
     checkpoint.claim_log_folder(empty, "--log_dir/--run_name", run_id="mine")
     assert checkpoint.log_folder_run_id(empty) == "mine"
+
+
+# ------------------------------------------- round 19: the data-safety core, called directly
+
+
+def _lock_is_free(lock: Path) -> bool:
+    """Whether another process could take `lock` now: flock treats another open file description of it as another holder."""
+    import fcntl
+
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_save_holds_its_paths_lock_against_other_processes_while_it_writes(tmp_path):
+    """The swap is serialised across processes by an exclusive flock on the path's lock file (the concurrency test
+    above runs threads of one process, which the thread lock alone keeps apart): while a save writes, no other holder
+    can take even a shared lock, and a save waits while another process holds the lock."""
+    import fcntl
+
+    target, lock = tmp_path / "ckpt", tmp_path / ".ckpt.alignment-lock"
+    seen = []
+
+    def write(folder):
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            seen.append("taken")
+        except BlockingIOError:
+            seen.append("blocked")
+        finally:
+            os.close(fd)
+        (folder / "weights.txt").write_text("step 1")
+
+    write_atomically(target, write, kind="rl_checkpoint")
+    assert seen == ["blocked"]
+    other = os.open(lock, os.O_RDWR)  # another process's writer, mid-swap
+    fcntl.flock(other, fcntl.LOCK_EX)
+    saved = threading.Event()
+    thread = threading.Thread(target=lambda: (write_atomically(target, lambda folder: (folder / "weights.txt").write_text("step 2"), kind="rl_checkpoint"), saved.set()))
+    thread.start()
+    try:
+        assert not saved.wait(0.5) and (target / "weights.txt").read_text() == "step 1"  # it waits
+    finally:
+        os.close(other)
+    thread.join(30)
+    assert saved.is_set() and (target / "weights.txt").read_text() == "step 2"
+
+
+def test_a_runs_locks_are_held_for_real_and_given_back_whole(tmp_path):
+    """OutputLock holds each path's flock until it is released, takes it again after that in the same process, and
+    gives back every lock it took when a later one is refused (a process that goes on, a notebook or a test, would
+    otherwise keep the first path from every other run). The lock file names its holder alone, however long the pid
+    an earlier holder wrote there."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    lock_a = tmp_path / ".a.alignment-lock"
+    lock_a.write_text("alignment lock, pid 123456789\n")
+    (tmp_path / ".b.alignment-lock").write_text("a file of mine")
+    with pytest.raises(UserError, match=r"--state_dir .*b: .*\.b\.alignment-lock is not a lock file this tool wrote"):
+        OutputLock([(a, "--checkpoint_path"), (b, "--state_dir")])
+    assert _lock_is_free(lock_a)
+    for _ in range(2):
+        with OutputLock([(a, "--checkpoint_path")]):
+            assert not _lock_is_free(lock_a)
+            assert lock_a.read_text() == f"alignment lock, pid {os.getpid()}\n"
+        assert _lock_is_free(lock_a)
+
+
+def test_a_save_whose_last_rename_fails_puts_the_previous_folder_back(tmp_path, monkeypatch):
+    """The previous folder went to its backup and the new one could not be renamed into place (a permission, a busy
+    mount): the previous folder is at the path again when the error says it is intact, with no backup left."""
+    target = tmp_path / "ckpt"
+    write_atomically(target, lambda folder: (folder / "weights.txt").write_text("step 1"), kind="rl_checkpoint")
+    real_rename = os.rename
+
+    def refused(source, destination):
+        if Path(destination) == target and ".alignment-tmp-" in Path(source).name:
+            raise OSError(errno.EACCES, "Permission denied")
+        real_rename(source, destination)
+
+    monkeypatch.setattr(checkpoint.os, "rename", refused)
+    with pytest.raises(UserError, match=rf"could not write {re.escape(str(target))} \(Permission denied; .*\); the previous {re.escape(str(target))} is intact"):
+        write_atomically(target, lambda folder: (folder / "weights.txt").write_text("step 2"), kind="rl_checkpoint")
+    monkeypatch.undo()
+    assert (target / "weights.txt").read_text() == "step 1" and verify_manifest(target, "")["kind"] == "rl_checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.alignment-lock", "ckpt"]
+
+
+def test_a_run_removes_no_state_without_its_id_and_no_empty_folder(tmp_path):
+    """A run removes only a state whose manifest records its own id: a state that records no run stays, and so does an
+    empty --state_dir made before the run (returned as not removed, not an AttributeError after the whole training)."""
+    state = tmp_path / "rl.state"
+    write_atomically(state, lambda folder: (folder / "counters.json").write_text("{}"), kind="training_state")
+    assert checkpoint.remove_output(state, "training_state", run_id="mine") is False and (state / "counters.json").is_file()
+    empty = tmp_path / "empty.state"
+    empty.mkdir()
+    assert checkpoint.remove_output(empty, "training_state", run_id="mine") is False and empty.is_dir()
+    assert checkpoint.remove_output(empty, "training_state") is False and empty.is_dir()
+
+
+def test_hidden_files_and_files_in_subfolders_count_as_the_users(tmp_path):
+    """A folder holding only hidden entries (a `.git`) is not empty, and a file added inside a subfolder of a folder the
+    tool wrote (a state's policy/) is the user's: both refused, named, and left as they were."""
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    with pytest.raises(UserError, match=r"--checkpoint_path .*repo holds files this tool did not write"):
+        checkpoint.check_output_path(repo, "--checkpoint_path", "rl_checkpoint")
+    with pytest.raises(UserError, match="holds files this tool did not write"):
+        write_atomically(repo, lambda folder: (folder / "x").write_text("x"), kind="rl_checkpoint")
+    assert checkpoint.remove_output(repo, "rl_checkpoint") is False
+    assert snapshot(repo) == {".git/HEAD": b"ref: refs/heads/main\n"}
+    state = tmp_path / "rl.state"
+
+    def write(folder):
+        (folder / "policy").mkdir()
+        (folder / "policy" / "config.json").write_text("{}")
+
+    write_atomically(state, write, kind="training_state")
+    (state / "policy" / "notes.txt").write_text("mine")
+    assert checkpoint.ownership_problem(state, "training_state") == "holds files its manifest does not list (policy/notes.txt), added after this tool wrote it"
+    assert checkpoint.remove_output(state, "training_state") is False and (state / "policy" / "notes.txt").read_text() == "mine"
+
+
+def test_outputs_are_told_apart_however_their_paths_are_spelled(tmp_path):
+    """`..` in a path, a folder reached through a linked parent, and an output that holds one named before it: each is
+    refused in one line naming both flags, as the same folder or one holding the other."""
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "exp", target_is_directory=True)
+    rl = tmp_path / "exp" / "rl"
+    cases = [
+        ([(rl, "--checkpoint_path"), (tmp_path / "exp" / "runs" / ".." / "rl", "--state_dir")], r"--state_dir .* is the same folder as --checkpoint_path"),
+        ([(rl, "--checkpoint_path"), (tmp_path / "link" / "rl", "--state_dir")], r"--state_dir .*link/rl is the same folder as --checkpoint_path"),
+        ([(rl / "state", "--state_dir"), (rl, "--checkpoint_path")], r"--checkpoint_path .*exp/rl is a folder that holds --state_dir"),
+    ]
+    for outputs, message in cases:
+        with pytest.raises(UserError, match=message):
+            checkpoint.check_distinct_outputs(outputs)
+
+
+def test_the_notes_of_unfinished_runs_find_each_state_and_outlive_a_sibling_run(tmp_path, monkeypatch):
+    """Runs from one start checkpoint note where they keep their states: a relative --state_dir is noted as the folder
+    it names (read from anywhere), one run finishing leaves the others' notes, a state that records no start checkpoint
+    is not taken for a run from this one, and a start folder this tool did not write gets no note beside it."""
+    sft = tmp_path / "checkpoints" / "sft"
+    write_atomically(sft, lambda folder: (folder / "model.safetensors").write_bytes(b"weights"), kind="sft_checkpoint")
+    fingerprint = checkpoint.folder_fingerprint(sft)
+    exp = tmp_path / "exp"
+    for name, start in (("a", fingerprint), ("b", fingerprint), ("c", None)):
+        run = {"run_id": name, **({"start_checkpoint_sha256": start} if start else {})}
+        write_atomically(exp / f"{name}.state", lambda folder: (folder / "counters.json").write_text("{}"), kind="training_state", record={"run": run, "step": 1})
+    monkeypatch.chdir(exp)
+    for name in ("a", "b", "c"):
+        checkpoint.record_run_from(sft, name, f"{name}.state")  # relative, as typed
+    monkeypatch.chdir(tmp_path)
+    assert sorted((folder.resolve(), step) for folder, step in unfinished_runs_from(sft)) == [((exp / "a.state").resolve(), 1), ((exp / "b.state").resolve(), 1)]
+    checkpoint.forget_run_from(sft, "a")  # run a finished: its state and its note go
+    shutil.rmtree(exp / "a.state")
+    assert [(folder.resolve(), step) for folder, step in unfinished_runs_from(sft)] == [((exp / "b.state").resolve(), 1)]
+    hub = tmp_path / "models" / "hub_model"
+    hub.mkdir(parents=True)
+    (hub / "config.json").write_text("{}")
+    checkpoint.record_run_from(hub, "d", exp / "b.state")
+    assert sorted(p.name for p in hub.parent.iterdir()) == ["hub_model"]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -177,6 +178,59 @@ def test_folders_beside_a_checkpoint_that_the_tool_did_not_make_for_it_are_never
         assert (root / "ckpt").exists() == present
 
 
+
+def test_recovery_takes_and_removes_only_temp_folders_the_tool_made_for_this_path(tmp_path):
+    """A swap cut between its renames, with two whole, checked folders at the tool's temp name that were not made for
+    this path (one marked for another path, one whose marker this tool did not write): the backup goes back and both
+    stay as they are. An empty folder at the temp name (a writer killed between making it and marking it) goes."""
+    from alignment import checkpoint
+
+    target = tmp_path / "ckpt"
+
+    def writes(text):
+        return lambda folder: (folder / "weights.txt").write_text(text)
+
+    checkpoint.write_atomically(target, writes("previous"), kind="rl_checkpoint")
+    others = {".ckpt.alignment-tmp-1-1": {"written_by": "alignment", "for": str(tmp_path / "other")},
+              ".ckpt.alignment-tmp-2-2": {"written_by": "someone else", "for": str(target)}}
+    for name, marker in others.items():
+        checkpoint.write_atomically(tmp_path / "staging", writes(name), kind="rl_checkpoint")  # a manifest that checks out
+        os.rename(tmp_path / "staging", tmp_path / name)
+        (tmp_path / name / "alignment_temp.json").write_text(json.dumps(marker))
+    (tmp_path / ".ckpt.alignment-tmp-3-3").mkdir()
+    os.rename(target, tmp_path / ".ckpt.alignment-old")  # the first rename of a swap done, the second not
+    recover_checkpoint(target)
+    assert (target / "weights.txt").read_text() == "previous" and not (tmp_path / ".ckpt.alignment-old").exists()
+    assert all((tmp_path / name / "weights.txt").read_text() == name for name in others)
+    assert not (tmp_path / ".ckpt.alignment-tmp-3-3").exists()
+
+
+def test_recovery_removes_a_leftover_backup_its_manifest_last(tmp_path, monkeypatch):
+    """A backup left beside a checkpoint in place (a tidy-up cut short) is removed by the next recovery as a save
+    removes it: its manifest last, so a removal cut short again still leaves a folder known as the tool's."""
+    from alignment import checkpoint
+
+    target = tmp_path / "ckpt"
+
+    def write(folder):
+        for index in range(12):
+            (folder / f"shard{index}.bin").write_bytes(bytes([index]))
+
+    checkpoint.write_atomically(target, write, kind="rl_checkpoint")
+    shutil.copytree(target, tmp_path / ".ckpt.alignment-old")
+    real_unlink, removed = os.unlink, []
+
+    def recording(path, *args, **kwargs):
+        removed.append(Path(path).name)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", recording)
+    recover_checkpoint(target)
+    monkeypatch.undo()
+    assert not (tmp_path / ".ckpt.alignment-old").exists() and (target / "shard0.bin").read_bytes() == bytes([0])
+    assert len(removed) == 13 and removed[-1] == "alignment_manifest.json"
+
+
 def without_flag(argv: list[str], flag: str) -> list[str]:
     """`argv` with every `flag VALUE` pair removed (by the flag's name, not by its value)."""
     kept, skip = [], False
@@ -296,3 +350,30 @@ def test_a_training_state_restores_both_random_generators(tiny_model_and_tokeniz
     assert load_training_state(state, tmp_path / "runs")["step"] == 3
     assert [random.random() for _ in range(4)] == expected[0]
     assert torch.equal(torch.rand(4), expected[1])
+
+
+def test_a_folder_at_the_backup_name_that_the_tool_did_not_make_is_neither_removed_nor_moved_into_place(tmp_path):
+    """A folder of the user's at the hidden backup name (no manifest: recovery leaves it alone) and nothing at the path.
+    A save makes no backup of its own, so it must neither remove that folder as its backup when it succeeds nor move it
+    to the path as "the previous folder" when it fails."""
+    import errno
+
+    from alignment.checkpoint import _backup_path, read_manifest, write_atomically
+
+    path = tmp_path / "ckpt"
+    theirs = _backup_path(path)
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+
+    def out_of_space(folder):
+        (folder / "weights.bin").write_bytes(b"x")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(UserError, match=rf"could not write {re.escape(str(path))} \(No space left on device; .*; nothing was at {re.escape(str(path))} before"):
+        write_atomically(path, out_of_space, kind="sft_checkpoint")
+    assert not path.exists()
+    assert (theirs / "notes.txt").read_text() == "mine"
+
+    write_atomically(path, lambda folder: (folder / "weights.bin").write_bytes(b"new"), kind="sft_checkpoint")
+    assert (path / "weights.bin").read_bytes() == b"new" and read_manifest(path)["kind"] == "sft_checkpoint"
+    assert (theirs / "notes.txt").read_text() == "mine"
