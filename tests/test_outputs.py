@@ -1342,7 +1342,7 @@ def test_an_empty_log_folder_is_taken_and_marked(tmp_path):
     assert checkpoint.log_folder_run_id(empty) == "mine"
 
 
-# ------------------------------------------- round 19: the data-safety core, called directly
+# ------------------------------------------- the writer, the locks and the run notes, called directly
 
 
 def _lock_is_free(lock: Path) -> bool:
