@@ -377,3 +377,24 @@ def test_a_folder_at_the_backup_name_that_the_tool_did_not_make_is_neither_remov
     write_atomically(path, lambda folder: (folder / "weights.bin").write_bytes(b"new"), kind="sft_checkpoint")
     assert (path / "weights.bin").read_bytes() == b"new" and read_manifest(path)["kind"] == "sft_checkpoint"
     assert (theirs / "notes.txt").read_text() == "mine"
+
+
+def test_a_folder_of_the_users_at_the_backup_name_is_named_before_a_save_that_needs_that_name(tmp_path):
+    """With a folder at the path, a save first renames it to the hidden backup name. Something the tool did not write
+    there (recovery leaves it) is named in one line before anything is written, and both folders are left as they were
+    (it was "Directory not empty" at the rename, after the whole write)."""
+    from alignment.checkpoint import _backup_path, write_atomically
+
+    path = tmp_path / "ckpt"
+    write_atomically(path, lambda folder: (folder / "weights.bin").write_bytes(b"old"), kind="rl_checkpoint")
+    theirs = _backup_path(path)
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    written = []
+    with pytest.raises(UserError, match=rf"^{re.escape(str(theirs))}, the name the save of {re.escape(str(path))} keeps its previous copy under "
+                                        rf"while it swaps, holds something this tool did not write; move it away and run again"):
+        write_atomically(path, lambda folder: written.append(folder), kind="rl_checkpoint")
+    assert written == [] and (path / "weights.bin").read_bytes() == b"old" and (theirs / "notes.txt").read_text() == "mine"
+    shutil.rmtree(theirs)
+    write_atomically(path, lambda folder: (folder / "weights.bin").write_bytes(b"new"), kind="rl_checkpoint")
+    assert (path / "weights.bin").read_bytes() == b"new"
