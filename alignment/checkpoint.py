@@ -529,12 +529,12 @@ def write_atomically(path, write_into, kind: str, record: dict | None = None) ->
         problem = ownership_problem(path, kind)
         if problem:
             raise UserError(f"{path} {problem}; it was left as it is, and nothing was saved there")
-        if path.exists() and not _is_empty_folder(path) and _backup_path(path).exists() and read_manifest(_backup_path(path)) is None:
+        backup, made_backup = _backup_path(path), False  # only a backup this save made is put back or removed
+        if path.exists() and not _is_empty_folder(path) and backup.exists() and read_manifest(backup) is None:
             # recovery leaves what the tool did not write: the swap would fail at its first rename, after the whole write
-            raise UserError(f"{_backup_path(path)}, the name the save of {path} keeps its previous copy under while it swaps, holds "
+            raise UserError(f"{backup}, the name the save of {path} keeps its previous copy under while it swaps, holds "
                             f"something this tool did not write; move it away and run again ({path} was left as it is)")
         temp = path.with_name(f"{_temp_prefix(path)}{os.getpid()}-{threading.get_ident()}")
-        backup, made_backup = _backup_path(path), False  # only a backup this save made is put back or removed
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             temp.mkdir()  # recover_checkpoint removed any earlier one of this name
