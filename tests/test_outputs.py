@@ -1345,13 +1345,14 @@ def test_an_empty_log_folder_is_taken_and_marked(tmp_path):
 # ------------------------------------------- the writer, the locks and the run notes, called directly
 
 
-def _lock_is_free(lock: Path) -> bool:
-    """Whether another process could take `lock` now: flock treats another open file description of it as another holder."""
+def _lock_is_free(lock: Path, shared: bool = False) -> bool:
+    """Whether another process could take `lock` now (exclusively, or `shared`): flock treats another open file
+    description of it as another holder."""
     import fcntl
 
     fd = os.open(lock, os.O_RDWR)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
         return False
@@ -1369,18 +1370,11 @@ def test_a_save_holds_its_paths_lock_against_other_processes_while_it_writes(tmp
     seen = []
 
     def write(folder):
-        fd = os.open(lock, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            seen.append("taken")
-        except BlockingIOError:
-            seen.append("blocked")
-        finally:
-            os.close(fd)
+        seen.append(_lock_is_free(lock, shared=True))
         (folder / "weights.txt").write_text("step 1")
 
     write_atomically(target, write, kind="rl_checkpoint")
-    assert seen == ["blocked"]
+    assert seen == [False]
     other = os.open(lock, os.O_RDWR)  # another process's writer, mid-swap
     fcntl.flock(other, fcntl.LOCK_EX)
     saved = threading.Event()
