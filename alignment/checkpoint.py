@@ -583,10 +583,13 @@ def _free_space(folder: Path) -> str:
 
 
 def _fsync_tree(folder: Path) -> None:
-    for file in folder.rglob("*"):
-        if file.is_file():
-            with open(file, "rb") as handle:
+    """Every file of `folder` and every folder's entries, its subfolders' (a state's policy/) included, on disk."""
+    for entry in folder.rglob("*"):
+        if entry.is_file():
+            with open(entry, "rb") as handle:
                 os.fsync(handle.fileno())
+        elif entry.is_dir():
+            _fsync_folder(entry)
     _fsync_folder(folder)
 
 
