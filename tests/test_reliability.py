@@ -205,6 +205,28 @@ def test_recovery_takes_and_removes_only_temp_folders_the_tool_made_for_this_pat
     assert not (tmp_path / ".ckpt.alignment-tmp-3-3").exists()
 
 
+def manifest_first(listing, name_of):
+    """`listing` (os.listdir or os.scandir) with a checkpoint manifest put first, the rest in name order."""
+
+    class Listed(list):  # os.scandir's result is also a context manager
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def close(self):
+            pass
+
+    def listed(*args, **kwargs):
+        found = listing(*args, **kwargs)
+        entries = list(found)
+        getattr(found, "close", lambda: None)()
+        return Listed(sorted(entries, key=lambda item: (name_of(item) != "alignment_manifest.json", name_of(item))))
+
+    return listed
+
+
 def test_recovery_removes_a_leftover_backup_its_manifest_last(tmp_path, monkeypatch):
     """A backup left beside a checkpoint in place (a tidy-up cut short) is removed by the next recovery as a save
     removes it: its manifest last, so a removal cut short again still leaves a folder known as the tool's."""
@@ -224,7 +246,10 @@ def test_recovery_removes_a_leftover_backup_its_manifest_last(tmp_path, monkeypa
         removed.append(Path(path).name)
         return real_unlink(path, *args, **kwargs)
 
+    # the folder is listed manifest first, so that a removal in listing order (rmtree) cannot end on it by chance
     monkeypatch.setattr(os, "unlink", recording)
+    monkeypatch.setattr(os, "listdir", manifest_first(os.listdir, lambda name: name))
+    monkeypatch.setattr(os, "scandir", manifest_first(os.scandir, lambda entry: entry.name))
     recover_checkpoint(target)
     monkeypatch.undo()
     assert not (tmp_path / ".ckpt.alignment-old").exists() and (target / "shard0.bin").read_bytes() == bytes([0])
