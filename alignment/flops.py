@@ -11,8 +11,10 @@ lowers MFU.
 
 import torch
 
-# dense bf16 tensor-core peaks from the vendors' datasheets (SXM parts), FLOP/s
-DATASHEET_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12, "GH200": 989e12}
+# dense bf16 tensor-core peaks from the vendors' datasheets, FLOP/s, looked up in this order inside the GPU's name:
+# the H100's PCIe and NVL cards before the SXM part, whose 989 would make their MFU read low
+DATASHEET_BF16_PEAK = {"H100 PCIE": 756e12, "H100 NVL": 835e12, "H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12,
+                       "GH200": 989e12}
 
 
 def training_flops_per_token(config, context: float, with_head: bool = True) -> float:

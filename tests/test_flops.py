@@ -45,10 +45,12 @@ def test_attention_flops_follow_the_query_width_when_head_dim_is_set():
 
 
 def test_datasheet_peak_found_in_the_gpu_name(monkeypatch):
-    """CUDA names start with the vendor ("NVIDIA H100 80GB HBM3"): the model is looked up inside the name, in any case."""
+    """CUDA names start with the vendor ("NVIDIA H100 80GB HBM3"): the model is looked up inside the name, in any case;
+    the H100's PCIe and NVL cards have their own, lower peaks than the SXM part."""
     import torch
 
-    names = {"cuda:0": "NVIDIA H100 80GB HBM3", "cuda:1": "NVIDIA A100-SXM4-40GB", "cuda:2": "nvidia h200", "cuda:3": "NVIDIA GeForce RTX 4090"}
+    names = {"cuda:0": "NVIDIA H100 80GB HBM3", "cuda:1": "NVIDIA A100-SXM4-40GB", "cuda:2": "nvidia h200", "cuda:3": "NVIDIA GeForce RTX 4090",
+             "cuda:4": "NVIDIA H100 PCIe", "cuda:5": "NVIDIA H100 NVL"}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: names[str(device)])
     assert peak_flops("cuda:0") == 989e12
@@ -56,6 +58,7 @@ def test_datasheet_peak_found_in_the_gpu_name(monkeypatch):
     assert peak_flops("cuda:2") == 989e12
     assert peak_flops("cuda:3") is None  # no datasheet figure: no MFU rather than a wrong one
     assert peak_flops("cuda:0", 500) == 500e12
+    assert (peak_flops("cuda:4"), peak_flops("cuda:5")) == (756e12, 835e12)
 
 
 def test_policy_peak_counts_every_gpu_the_policy_trains_on():
