@@ -146,6 +146,57 @@ def test_resume_refuses_run_defining_changes_and_applies_safe_ones(pipeline, mon
     assert steps[0]["train/lr"] == pytest.approx(1e-3) and steps[2]["train/lr"] == pytest.approx(2e-3)
 
 
+def test_a_resumed_run_continues_the_warmup_and_its_logs_without_a_second_start_evaluation(pipeline, monkeypatch):
+    """--warmup_steps 4 --learning_rate 1e-3 --evaluate_at_start, stopped after its step-1 state and resumed: the
+    schedule goes on where it stopped (train/lr after each step 5e-4, 7.5e-4, 1e-3, as without the stop), the
+    start evaluation (step 0) is not run again, and TensorBoard keeps step 1's and step 0's points beside the new ones."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    extra = ("--save_state_every", "1", "--warmup_steps", "4", "--learning_rate", "1e-3", "--evaluate_at_start")
+    interrupted_run(pipeline, "warm_resume", monkeypatch, *extra)
+    train_rl.main(flags(pipeline, "warm_resume", *extra, "--resume"))
+    run_dir = pipeline.root / "runs" / "warm_resume"
+    assert [s["train/lr"] for s in steps_log(pipeline, "warm_resume")] == pytest.approx([5e-4, 7.5e-4, 1e-3])
+    assert [json.loads(line)["step"] for line in (run_dir / "evals.jsonl").read_text().splitlines()] == [0, 3]
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("train/lr")] == [(1, 5e-4), (2, 7.5e-4), (3, 1e-3)]
+    assert [e.step for e in events.Scalars("eval/avg_all_rewards")] == [0, 3]
+
+
+def test_a_run_stopped_in_its_final_evaluation_resumes_to_that_evaluation_alone(pipeline, monkeypatch):
+    """A run of one epoch of 2 steps (8 prompts, 4 a step) with a state every step, killed while it evaluates its final
+    policy (minutes on GSM8K): the state of step 2 (epoch 0's last) and the step-2 checkpoint are on disk. --resume
+    with the same --max_steps trains no step (the training state is at the last one), evaluates that policy as
+    step 2, and finishes as a run does."""
+    import torch
+    from safetensors.torch import load_file
+
+    argv = flags(pipeline, "final_eval_cut", "--save_state_every", "1", "--max_steps", "2", "--num_train_examples", "8")
+    real_evaluate = train_rl.evaluate_policy
+
+    def killed(*args):
+        raise RuntimeError("killed during the final evaluation")
+
+    monkeypatch.setattr(train_rl, "evaluate_policy", killed)
+    with pytest.raises(RuntimeError, match="killed during the final evaluation"):
+        train_rl.main(argv)
+    monkeypatch.setattr(train_rl, "evaluate_policy", real_evaluate)
+    state, checkpoint = pipeline.root / "final_eval_cut" / "rl.state", pipeline.root / "final_eval_cut" / "rl"
+    assert read_manifest(state)["step"] == 2 and read_manifest(checkpoint)["step"] == 2
+    assert {key: json.loads((state / "counters.json").read_text())[key] for key in ("step", "epoch")} == {"step": 2, "epoch": 0}
+    trained = load_file(str(checkpoint / "model.safetensors"))
+    metrics = train_rl.main([*argv, "--resume"])
+    run_dir = pipeline.root / "runs" / "final_eval_cut"
+    assert [s["step"] for s in steps_log(pipeline, "final_eval_cut")] == [1, 2]  # no step trained again
+    final = json.loads((run_dir / "final_eval_metrics.json").read_text())
+    assert final["step"] == 2 and final["num_examples"] == metrics["num_examples"] == 4
+    assert [json.loads(line)["step"] for line in (run_dir / "evals.jsonl").read_text().splitlines()] == [2]
+    assert not has_training_state(state)  # finished: the checkpoint is the result
+    after = load_file(str(checkpoint / "model.safetensors"))
+    assert all(torch.equal(after[name], trained[name]) for name in trained)
+
+
 def test_resume_refuses_changed_training_data(tmp_path, monkeypatch):
     task = make_tiny_task(tmp_path, num_train=48, num_test=8, seed=5)
     interrupted_run(task, "data", monkeypatch)

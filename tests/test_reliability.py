@@ -332,6 +332,34 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_state(pipeline, mo
     assert all(torch.equal(state[k], start[k]) for k in start)  # no NaN ever reached the weights
 
 
+def test_non_finite_steps_apart_are_counted_over_the_run_and_do_not_stop_it(pipeline, monkeypatch):
+    """Steps 1 and 3 of 4 have a NaN loss, steps 2 and 4 are good; --max_skipped_steps 2 counts skips in a row,
+    so the run finishes. train/skipped_steps is the running total (1, 1, 2, 2) and the final evaluation records 2;
+    a skipped step does not change the weights, so the seed's frozen sampler (--rollout_sync_every 0) lags the
+    policy by the good updates only: train/staleness 0, 0, 1, 1."""
+    from alignment import policy_update
+
+    current, real_update, real_step = {}, train_rl.update_policy, policy_update.grpo_microbatch_train_step
+
+    def update(*args, **kwargs):
+        current["step"] = kwargs["step"]
+        return real_update(*args, **kwargs)
+
+    def poisoned(*args, **kwargs):
+        loss, meta = real_step(*args, **kwargs)
+        return (loss * float("nan") if current["step"] in (1, 3) else loss), meta
+
+    monkeypatch.setattr(train_rl, "update_policy", update)
+    monkeypatch.setattr(policy_update, "grpo_microbatch_train_step", poisoned)
+    metrics = train_rl.main(flags(pipeline, "nan_apart", "--max_skipped_steps", "2", "--rollout_sync_every", "0"))
+    logged = steps_log(pipeline, "nan_apart")
+    assert [s["step"] for s in logged] == [1, 2, 3, 4]
+    assert [s["train/skipped_steps"] for s in logged] == [1, 1, 2, 2]
+    assert [s["train/staleness"] for s in logged] == [0, 0, 1, 1]
+    final = json.loads((pipeline.root / "runs" / "nan_apart" / "final_eval_metrics.json").read_text())
+    assert (final["step"], final["skipped_steps"]) == (4, 2) and metrics["num_examples"] == final["num_examples"] == 4
+
+
 def test_zero_signal_batches_are_skipped(pipeline):
     no_kl = without_flag(flags(pipeline, "flat"), "--kl_coef") + ["--max_steps", "2"]
     train_rl.main(no_kl)

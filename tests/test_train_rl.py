@@ -62,6 +62,9 @@ def test_two_step_run_logs_every_tag(pipeline, backend, loss_type):
     final = json.loads((run_dir / "final_eval_metrics.json").read_text())
     assert final["num_examples"] == 8 and final["step"] == 2
     assert metrics["avg_all_rewards"] == final["avg_all_rewards"]
+    # main returns the final metrics as written, without the per-example samples (those are in final_eval_samples.jsonl)
+    assert metrics == {key: value for key, value in final.items() if key not in ("step", "skipped_steps")}
+    assert len((run_dir / "final_eval_samples.jsonl").read_text().splitlines()) == 8
 
 
 def test_existing_checkpoint_is_only_evaluated(pipeline, capsys):
@@ -270,7 +273,8 @@ def test_the_final_weights_are_saved_before_the_final_evaluation(pipeline, monke
 
 def test_max_train_minutes_ends_the_run_with_its_save_and_final_evaluation(pipeline, monkeypatch, capsys):
     """A clock that moves 25 s at each of train_rl's readings: every step trains 25 s, so a 1-minute limit is
-    reached in step 3 of 5; that step saves and evaluates as a last step does, and is evaluated once."""
+    reached in step 3 of 5; that step saves and evaluates as a last step does, and is evaluated once. A 3-step run
+    reaches the limit in its own last step: it ends there anyway, and the limit is not reported as cutting it short."""
     from types import SimpleNamespace
 
     clock = iter(range(0, 10**6, 25))
@@ -279,11 +283,49 @@ def test_max_train_minutes_ends_the_run_with_its_save_and_final_evaluation(pipel
     train_rl.main(rl_flags(pipeline, name, "--rollout_backend", "hf", "--max_steps", "5", "--evaluate_freq", "1", "--max_train_minutes", "1",
                            "--entropy_coef", "0.1"))
     run_dir = pipeline.root / "runs" / name
-    assert "--max_train_minutes 1: 1.2 minutes of training after step 3; the run ends here" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--max_train_minutes 1: 1.2 minutes of training after step 3; the run ends here" in out
+    # each step's console line counts toward the run's end: 5 steps, until the limit made step 3 the last
+    assert re.findall(r"^step (\d+/\d+) ", out, re.MULTILINE) == ["1/5", "2/5", "3/3"]
     assert [row["step"] for row in steps_log(pipeline, name)] == [1, 2, 3]
     assert [json.loads(line)["step"] for line in (run_dir / "evals.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert json.loads((run_dir / "final_eval_metrics.json").read_text())["step"] == 3
     assert (pipeline.root / name / "rl" / "model.safetensors").is_file()
+    # a run whose last step reaches the limit ends where it would have: nothing is cut short, nothing to say
+    train_rl.main(rl_flags(pipeline, "time_limit_at_the_end", "--rollout_backend", "hf", "--max_steps", "3", "--evaluate_freq", "0",
+                           "--max_train_minutes", "1"))
+    out = capsys.readouterr().out
+    assert re.findall(r"^step (\d+/\d+) ", out, re.MULTILINE) == ["1/3", "2/3", "3/3"] and "--max_train_minutes" not in out
+
+
+def test_a_steps_seconds_hold_all_its_phases_its_evaluation_too(pipeline, monkeypatch):
+    """perf/step_seconds is the whole step: every phase it logs (perf/<phase>_seconds) fits in it, the periodic
+    evaluation's too. A clock that moves 1 s at each reading, and an evaluation that takes 1000 s of it."""
+    from types import SimpleNamespace
+
+    from alignment import run_log
+
+    now = [0.0]
+
+    def perf_counter():
+        now[0] += 1.0
+        return now[0]
+
+    def slow_evaluation(*args):
+        now[0] += 1000.0
+        return real(*args)
+
+    real = train_rl.evaluate_policy
+    monkeypatch.setattr(train_rl, "time", SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(run_log, "time", SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(train_rl, "evaluate_policy", slow_evaluation)
+    name = "step_seconds"
+    train_rl.main(rl_flags(pipeline, name, "--rollout_backend", "hf", "--max_steps", "2", "--evaluate_freq", "1"))
+    rows = steps_log(pipeline, name)
+    assert rows[0]["perf/eval_seconds"] > 1000 and rows[1]["perf/eval_seconds"] == 0.0  # the last step's evaluation is the final one
+    for row in rows:
+        phases = sum(row[f"perf/{phase}_seconds"] for phase in ("rollout", "reward", "logprobs", "update", "sync", "eval"))
+        assert phases < row["perf/step_seconds"] < phases + 50, row  # and a few readings of the clock outside them
 
 
 def test_batch_sizes_beyond_the_training_prompts_are_named(pipeline):
@@ -509,6 +551,35 @@ def test_max_steps_beyond_the_epochs_is_noted(tmp_path, capsys):
                                        "the run ends at step 2; raise --num_epochs to train longer\n")
     args = train_rl.parse_rl_args(train_rl_flags(task, "capped", "--max_steps", "5", "--num_epochs", "3"))
     assert train_rl.load_prompts(args, load_tokenizer(task.sft), task.sft)[2:] == (2, 5) and "note" not in capsys.readouterr().out
+    args = train_rl.parse_rl_args(train_rl_flags(task, "capped", "--max_steps", "2", "--num_epochs", "1"))  # exactly the epoch: nothing to note
+    assert train_rl.load_prompts(args, load_tokenizer(task.sft), task.sft)[2:] == (2, 2) and "note" not in capsys.readouterr().out
+
+
+def test_an_epoch_is_the_whole_batches_its_prompts_fill(tmp_path, capsys):
+    """6 prompts, --rollout_batch_size 4: an epoch is 1 step (the 2 prompts left over make no short batch; the next
+    epoch's shuffle draws a whole batch again), so --num_epochs 3 plans 3 steps, not 6."""
+    from alignment.rollout import load_tokenizer
+
+    task = make_tiny_task(tmp_path, num_train=8, num_test=4, seed=1)
+    args = train_rl.parse_rl_args(train_rl_flags(task, "leftover", "--num_train_examples", "6", "--num_epochs", "3"))
+    assert train_rl.load_prompts(args, load_tokenizer(task.sft), task.sft)[2:] == (1, 3)
+    args = train_rl.parse_rl_args(train_rl_flags(task, "leftover", "--num_train_examples", "6", "--num_epochs", "3", "--max_steps", "4"))
+    capsys.readouterr()
+    assert train_rl.load_prompts(args, load_tokenizer(task.sft), task.sft)[2:] == (1, 3)
+    assert "--num_epochs 3 x 1 steps an epoch (6 prompts / --rollout_batch_size 4): the run ends at step 3" in capsys.readouterr().out
+
+
+def test_the_schedule_spans_every_optimizer_step_of_the_run(tmp_path, capsys):
+    """3 rollout steps of 16 rollouts, --train_batch_size 8 and --epochs_per_rollout_batch 2: 12 optimizer steps, the
+    length the warm-up is measured against (a schedule of 3 or 6 steps would end the warm-up early or late)."""
+    task = make_tiny_task(tmp_path, num_train=8, num_test=4, seed=1)
+    args = train_rl.parse_rl_args(train_rl_flags(task, "schedule", "--train_batch_size", "8", "--epochs_per_rollout_batch", "2",
+                                                 "--warmup_steps", "16"))
+    capsys.readouterr()
+    optimizer, scheduler = train_rl.optimizer_and_schedule(args, torch.nn.Linear(2, 1), 3, None, print)
+    assert capsys.readouterr().out == ("note: --warmup_steps 16 is longer than the run's 12 optimizer steps: "
+                                       "the learning rate ends at 75.0% of its peak\n")
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / 16)  # --learning_rate, at the first warm-up step
 
 
 def _flag_args(**flags):
@@ -539,6 +610,47 @@ def test_in_process_evaluations_sample_with_the_eval_flags_not_the_rollouts(monk
     metrics, synced = train_rl.evaluate_policy(args, sampler, torch.nn.Linear(2, 1), None, eval_set, {"sample": "cpu"}, SingleProcess(), 1)
     assert synced and set(loaded[0]) == {"weight", "bias"}
     assert [(s.temperature, s.top_p, s.min_tokens, s.max_tokens, s.repetition_penalty) for s in seen] == [(0.0, 1.0, 0, 20, 1.0)] * 2
+
+
+def test_the_rollout_engine_evaluates_only_weights_it_may_keep_and_a_frozen_one_gets_its_start_back(monkeypatch, tmp_path):
+    """The vLLM sampler evaluates the policy when it follows it every step (--rollout_sync_every 1), and under torchrun
+    always; the seed's frozen sampler (0) gets its start weights back after, and says it does not hold the policy.
+    In one process a sampler that lags by design (--rollout_sync_every 2) is left alone: a fresh engine evaluates."""
+    from types import SimpleNamespace
+
+    from alignment.distributed import SingleProcess
+
+    class OneRank(SingleProcess):
+        def full_weights(self, model):
+            return "policy weights"
+
+    class TwoRanks(OneRank):  # rank 0 of 2: half the examples here, the other half's samples "gathered" as copies
+        rank, world_size = 0, 2
+
+        def gather(self, items):
+            return items + items
+
+    loaded, fresh = [], []
+    monkeypatch.setattr(train_rl, "evaluate_math", lambda engine, reward_fn, prompts, truths, sampling: {"samples": [
+        {"reward": 1.0, "format_reward": 1.0, "answer_reward": 1.0, "response": "r", "ground_truth": t, "num_tokens": 3} for t in truths]})
+    monkeypatch.setattr(train_rl, "checkpoint_tensors", lambda folder: f"start weights of {folder}")
+    monkeypatch.setattr(train_rl, "save_model_atomically", lambda *args, **kwargs: None)
+    monkeypatch.setattr(train_rl, "evaluate_in_subprocess", lambda model_path, args, output_dir, device: fresh.append(model_path) or {"avg_all_rewards": 0.5})
+    sampler = SimpleNamespace(engine=SimpleNamespace(load_weights=loaded.append), start_weights="sft")
+    eval_set = SimpleNamespace(prompts=["p1", "p2"], ground_truths=["1", "2"])
+
+    def evaluate(sync_every, ranks):
+        loaded.clear(), fresh.clear()
+        args = _flag_args(rollout_backend="vllm", eval_engine="sampler", rollout_sync_every=sync_every, log_dir=str(tmp_path), run_name="routes",
+                          tmp_checkpoint_path=str(tmp_path / "rl_tmp"), seed=0)
+        metrics, synced = train_rl.evaluate_policy(args, sampler, None, None, eval_set, {"eval": "cpu"}, ranks, 4)
+        return synced, list(loaded), list(fresh), metrics.get("num_examples")
+
+    assert evaluate(1, OneRank()) == (True, ["policy weights"], [], 2)
+    assert evaluate(2, OneRank()) == (False, [], [str(tmp_path / "rl_tmp")], None)
+    assert evaluate(0, OneRank()) == (False, [], [str(tmp_path / "rl_tmp")], None)
+    assert evaluate(1, TwoRanks()) == (True, ["policy weights"], [], 2)
+    assert evaluate(0, TwoRanks()) == (False, ["policy weights", "start weights of sft"], [], 2)
 
 
 def test_a_fresh_evaluation_is_asked_for_with_the_eval_flags(monkeypatch, tmp_path):

@@ -46,12 +46,13 @@ def record_clip_calls(monkeypatch) -> list[dict]:
 
 
 def record_updates(monkeypatch) -> list[dict]:
-    """Each batch train_rl's update gets, with the learning rate, betas and weight decay its optimizer holds then, and the totals it returns."""
+    """Each batch train_rl's update gets, with the learning rate, betas and weight decay its optimizer holds then, the rollout step
+    it is told (it seeds the shuffle of the batch's rows) and the totals it returns."""
     updates, real = [], train_rl.update_policy
 
     def recording(model, optimizer, scheduler, batch, *args, **kwargs):
         group = optimizer.param_groups[0]
-        update = {"batch": batch, "lr": group["lr"], "betas": group["betas"], "weight_decay": group["weight_decay"]}
+        update = {"batch": batch, "lr": group["lr"], "betas": group["betas"], "weight_decay": group["weight_decay"], "step": kwargs.get("step")}
         updates.append(update)
         update["totals"] = real(model, optimizer, scheduler, batch, *args, **kwargs)
         return update["totals"]
@@ -97,6 +98,7 @@ def test_warmup_and_learning_rate_set_each_steps_rate_and_betas_reach_adamw(task
     updates = record_updates(monkeypatch)
     rows = run(task, monkeypatch, "warmup", "--warmup_steps", "2", "--learning_rate", "1e-3", "--adam_betas", "0.8", "0.9", "--weight_decay", "0.01")
     assert [update["lr"] for update in updates] == pytest.approx([5e-4, 1e-3])
+    assert [update["step"] for update in updates] == [1, 2]  # each rollout step its own shuffle of the rows
     assert [row["train/lr"] for row in rows] == pytest.approx([1e-3, 1e-3])  # logged after the step's scheduler step
     assert {update["betas"] for update in updates} == {(0.8, 0.9)} and {update["weight_decay"] for update in updates} == {0.01}
 
