@@ -166,7 +166,7 @@ def build_rl_parser() -> argparse.ArgumentParser:
     paths.add_argument("--model", default=None, help="tokenizer source, a hub id or local folder (seed: args.model); default: the base checkpoint's own tokenizer, which train_sft saves beside the weights")
     paths.add_argument("--sft_checkpoint_path", default=None, help="base policy to start RL from; default: train_sft's --checkpoint_path (checkpoints/sft)")
     paths.add_argument("--checkpoint_path", default="checkpoints/rl", help="final RL checkpoint; if it already holds weights, train_rl only evaluates it")
-    paths.add_argument("--tmp_checkpoint_path", default="checkpoints/rl_tmp", help="where the policy is saved for a --eval_engine fresh evaluation (seed behaviour)")
+    paths.add_argument("--tmp_checkpoint_path", default="checkpoints/rl_tmp", help="where the policy is saved for an evaluation in a fresh vLLM engine (--eval_engine fresh, or --rollout_sync_every other than 1 in one process; seed behaviour)")
     paths.add_argument("--state_dir", default=None, help="training-state folder for --save_state_every / --resume; default <checkpoint_path>.state")
     _add_common(paths, "rl")
 
@@ -365,7 +365,8 @@ def _add_rl_evaluation_and_logging(parser) -> None:
     evaluation.add_argument("--evaluate_at_start", action=argparse.BooleanOptionalAction, default=False,
                             help="also evaluate the start checkpoint before the first step (step 0 of evals.jsonl and TensorBoard, verl's val_before_train), "
                                  "so a run's curve starts where it started under its own evaluation settings; not on --resume")
-    evaluation.add_argument("--eval_engine", choices=["sampler", "fresh"], default="sampler", help="sampler: sync weights into the rollout engine and evaluate there; fresh: save to --tmp_checkpoint_path and start a new vLLM on --eval_device (seed)")
+    evaluation.add_argument("--eval_engine", choices=["sampler", "fresh"], default="sampler", help="sampler: sync weights into the rollout engine and evaluate there (in one process only when --rollout_sync_every is 1; otherwise "
+                                "as fresh); fresh: save to --tmp_checkpoint_path and start a new vLLM on --eval_device (seed)")
     evaluation.add_argument("--eval_split", choices=["train", "test"], default="test", help="split used for evaluation")
     evaluation.add_argument("--eval_num_examples", type=_positive_int, default=None, help="evaluate on the first N examples (default: the whole split)")
     _add_sampling(evaluation, "eval_", temperature=0.0, min_tokens=0, max_tokens=1024, seed_note=" (default greedy, so eval curves are not sampling noise)")

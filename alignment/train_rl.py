@@ -34,8 +34,8 @@ Where the algorithm departs from the seed, each one flag away from the seed's be
 - --rollout_staleness N (default 0) samples up to N batches ahead of the policy in
   a process of its own, with truncated importance sampling (--tis_cap);
 - evaluation syncs the sampler and evaluates there (--eval_engine sampler);
-  --eval_engine fresh saves to --tmp_checkpoint_path and starts a new vLLM
-  engine on --eval_device, as the seed did;
+  --eval_engine fresh, or a sampler not synced every step, saves to
+  --tmp_checkpoint_path and starts a new vLLM engine on --eval_device, as the seed did;
 - additions, off by default unless said: --kl_coef (k3 KL to the reference; mean KL
   is logged either way), --length_normalization constant (Dr. GRPO) / token_mean (DAPO),
   --cliprange_high (DAPO), --epochs_per_rollout_batch / --train_batch_size,
@@ -127,6 +127,13 @@ def rollout_tensors(args, tokenizer, grouped_prompts, generations, raw_rewards, 
     return {**tokens, "raw_rewards": raw_rewards, "advantages": advantages, "lengths": sequence_lengths(tokens["response_mask"])}
 
 
+def evaluates_in_a_fresh_engine(args, world_size: int) -> bool:
+    """Whether the periodic evaluations take the seed's path (save to --tmp_checkpoint_path, a new vLLM on
+    --eval_device): vLLM rollouts in one process, with --eval_engine fresh or a rollout engine that does not hold
+    the policy's weights at every step (--rollout_sync_every other than 1), which the evaluation must not change."""
+    return args.rollout_backend != "hf" and world_size == 1 and not (args.eval_engine == "sampler" and args.rollout_sync_every == 1)
+
+
 def evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, step: int) -> tuple[dict, bool]:
     """The current policy on the eval split; returns the metrics (with samples) and whether the
     sampler now holds the current weights. Under torchrun the ranks split the examples; with
@@ -136,7 +143,7 @@ def evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, ste
         engine = HfEngine(model, tokenizer, batch_size=args.hf_batch_size, compute_dtype=resolve_dtype(args.dtype, roles["sample"]))
         metrics = evaluate_math(engine, r1_zero_reward_fn, eval_set.prompts, eval_set.ground_truths, sampling)
         return add_pass_at_k(metrics, engine, eval_set.prompts, eval_set.ground_truths, args, "eval_"), False  # --eval_samples
-    if (args.eval_engine == "sampler" and args.rollout_sync_every == 1) or ranks.world_size > 1:
+    if not evaluates_in_a_fresh_engine(args, ranks.world_size):
         sampler.engine.load_weights(ranks.full_weights(model))
         prompts, truths = rank_slice(eval_set.prompts, ranks), rank_slice(eval_set.ground_truths, ranks)
         started = time.perf_counter()
@@ -424,7 +431,7 @@ def main(argv=None) -> dict:
     base_model_checkpoint_path = args.sft_checkpoint_path or sft_args.checkpoint_path
     run_dir = Path(args.log_dir) / args.run_name
     outputs = [(args.checkpoint_path, "--checkpoint_path", "rl_checkpoint"), (args.state_dir, "--state_dir", "training_state")]
-    if args.eval_engine == "fresh":
+    if evaluates_in_a_fresh_engine(args, int(os.environ.get("WORLD_SIZE", "1"))):  # checked and locked with the others before any work
         outputs.append((args.tmp_checkpoint_path, "--tmp_checkpoint_path", "eval_checkpoint"))
     # one folder, one role (symlinks followed), before anything is read or written
     locks = [(path, flag) for path, flag, _ in outputs] + [(run_dir, "--log_dir/--run_name")]

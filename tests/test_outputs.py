@@ -783,8 +783,13 @@ def test_two_roles_on_one_folder_are_refused_before_anything_loads(pipeline):
         (flags(pipeline, "nested", "--state_dir", str(pipeline.root / "nested" / "rl" / "state")), r"--state_dir .*nested/rl/state is inside --checkpoint_path"),
         # a link is followed first (a save writes the folder it points to), then found to be the checkpoint
         (flags(pipeline, "linked", "--state_dir", str(link)), r"--state_dir .*linked/rl is the same folder as --checkpoint_path"),
-        (flags(pipeline, "tmp", "--eval_engine", "fresh", "--tmp_checkpoint_path", str(pipeline.root / "tmp" / "rl")),
+        (flags(pipeline, "tmp", "--rollout_backend", "vllm", "--eval_engine", "fresh", "--tmp_checkpoint_path", str(pipeline.root / "tmp" / "rl")),
          r"--tmp_checkpoint_path .*tmp/rl is the same folder as --checkpoint_path"),
+        # the default --eval_engine sampler evaluates in a fresh engine too where the rollout engine does not hold the
+        # policy's weights at every step (the seed's frozen sampler, or a sync every 2 steps): the same checks, at start-up
+        *((flags(pipeline, f"tmp_sync{every}", "--rollout_backend", "vllm", "--rollout_sync_every", every,
+                 "--tmp_checkpoint_path", str(pipeline.root / f"tmp_sync{every}" / "rl")),
+           rf"--tmp_checkpoint_path .*tmp_sync{every}/rl is the same folder as --checkpoint_path") for every in ("0", "2")),
         (flags(pipeline, "root", checkpoint_path="/"), r"--checkpoint_path / is the root folder"),
     ]
     for command, message in cases:
