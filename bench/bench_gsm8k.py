@@ -202,7 +202,7 @@ def main():
                         help="start RL from --model itself, with no SFT stage (RESULTS runs 19-21: the better start on the 1.5B, though SFT scores "
                              "higher at step 0); --no-rl_from_base trains SFT and starts from the higher of the two step-0 accuracies (the seed's SFT start)")
     parser.add_argument("--base_eval", action=argparse.BooleanOptionalAction, default=True,
-                        help="evaluate the start model; --no-base_eval starts RL from SFT without it (the rule picks SFT whenever it beats the base)")
+                        help="evaluate the start model (step 0 of the default start's curves); with --no-rl_from_base, --no-base_eval starts RL from SFT without it (the rule picks SFT whenever it beats the base)")
     parser.add_argument("--sft_eval", action=argparse.BooleanOptionalAction, default=True,
                         help="evaluate SFT on the test split before RL; --no-sft_eval (with --no-base_eval) leaves that to the step-0 evaluation "
                              "of the recipe's run (else of the first variant that changes no evaluation flag), the same greedy pass on its own "
