@@ -78,9 +78,20 @@ RL = {
 TINY_RL = {**RL, "prompts_per_step": 2, "group_size": 4, "train_batch_size": 4, "max_tokens": 24, "learning_rate": 1e-5}
 
 
-# train_rl flags that change how its evaluations are made: a run given one of them evaluates its step 0 otherwise than
-# alignment.evaluate evaluates SFT in the recipe, so --no-sft_eval never takes SFT's accuracy from it
-EVALUATION_FLAGS = ("--eval_repetition_penalty", "--eval_max_tokens", "--eval_num_examples", "--eval_split", "--eval_engine")
+def evaluation_flags_set(flags: list[str]) -> list[str]:
+    """The train_rl options among `flags` that change how its evaluations are made (every `--eval_*` but the device),
+    read by train_rl's own parser, so `--eval_top_p=0.5` and abbreviations such as `--eval_rep 1.1` count too: a run
+    given one evaluates its step 0 otherwise than alignment.evaluate evaluates SFT in the recipe."""
+    from alignment.args import build_rl_parser
+
+    parser = build_rl_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS  # what the flags set, and nothing else
+    try:
+        given = vars(parser.parse_known_args(flags)[0])
+    except SystemExit:  # argparse's own message (an ambiguous abbreviation, a bad value) is on stderr above
+        raise SystemExit(f"train_rl cannot read the variant flags {' '.join(flags)!r}: fix them (see python -m alignment.train_rl --help)") from None
+    return sorted(f"--{dest}" for dest in given if dest.startswith("eval_") and dest != "eval_device")
 
 
 def sft_evaluated_by(recipe: bool, variants: list[tuple[str, list[str]]]) -> str | None:
@@ -88,10 +99,7 @@ def sft_evaluated_by(recipe: bool, variants: list[tuple[str, list[str]]]) -> str
     first variant whose flags leave the evaluation as the recipe's; None when every run changes it."""
     if recipe:
         return "rl"
-    for name, flags in variants:
-        if not any(flag == option or flag.startswith(option + "=") for flag in flags for option in EVALUATION_FLAGS):
-            return name
-    return None
+    return next((name for name, flags in variants if not evaluation_flags_set(flags)), None)
 
 
 def train_rl_flags(rl: dict) -> list[str]:
@@ -231,7 +239,7 @@ def main():
                          "evaluation): add --no-base_eval, or drop --no-sft_eval")
     stands_for_sft = sft_evaluated_by(args.recipe, variants)
     if not args.rl_from_base and not args.sft_eval and not args.summarize_only and stands_for_sft is None:
-        raise SystemExit(f"--no-sft_eval: every run of this call changes how it evaluates ({', '.join(EVALUATION_FLAGS)}), so none of their "
+        raise SystemExit(f"--no-sft_eval: every run of this call changes how it evaluates (an --eval_* flag), so none of their "
                          "step-0 evaluations is SFT's as the recipe makes it: drop --no-recipe, add a variant without those flags, or drop --no-sft_eval")
     if args.summarize_only:  # our run only where it ran
         earlier = summary_runs(args.out, False, [])[1]

@@ -150,6 +150,9 @@ def test_gsm8k_recipe_time_box_is_train_rls_own_so_the_final_evaluation_stays(mo
     command = rl_command(args, tmp_path / "sft", "rl")
     assert command[command.index("--max_train_minutes") + 1] == "7.5" and command[command.index("--max_steps") + 1] == "100"
     assert command[command.index("--checkpoint_path") + 1] == str(tmp_path / "rl") and "--microbatch_tokens" in command
+    # every run evaluates its start as step 0, every --evaluate_freq steps, as the recipe evaluates; Dr. GRPO's advantages
+    assert "--evaluate_at_start" in command and command[command.index("--evaluate_freq") + 1] == "20" and command[command.index("--eval_max_tokens") + 1] == "1024"
+    assert command[command.index("--eval_repetition_penalty") + 1] == "1.0" and "--no-use_std_normalization" in command and "--use_std_normalization" not in command
     args.rl_minutes = None
     assert "--max_train_minutes" not in rl_command(args, tmp_path / "sft", "rl")
 
@@ -172,6 +175,7 @@ def test_trl_time_box_ends_on_a_round_and_every_saved_checkpoint_is_evaluated(mo
     command = trl_command(args, tmp_path / "sft")
     assert command[command.index("--max_train_minutes") + 1] == "14.5" and command[command.index("--steps") + 1] == "60"
     assert command[command.index("--train_batch") + 1] == "128" and command[command.index("--loss_type") + 1] == "dr_grpo"
+    assert [command[command.index(flag) + 1] for flag in ("--save_every", "--microbatch", "--adam_beta2", "--scale_rewards")] == ["20", "8", "0.95", "none"]
     args.rl_minutes = None
     assert "--max_train_minutes" not in trl_command(args, tmp_path / "sft")
     # TRL names checkpoints by optimizer step, two per rollout step here: every 20 rounds, the time box's round 23,
@@ -297,12 +301,24 @@ def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypa
     summary = write_summary(tmp_path, "models/x", "0", RL, rl_run=None)
     assert "ours_evals" not in summary and summary["eval_trl"][1]["avg_all_rewards"] == 0.625
     assert "eval_base" not in summary and summary["rl_start"] == "sft"  # 0.75 would have made it "base"
+    (tmp_path / "eval_base" / "metrics.json").write_text(json.dumps({**metrics, "avg_all_rewards": 0.5, "model_path": "models/x"}))
+    assert write_summary(tmp_path, "models/x", "0", RL, rl_run=None)["rl_start"] == "sft"  # no rl_start.json, a tie: the seed's order
     (tmp_path / "eval_base" / "metrics.json").write_text(json.dumps({**metrics, "avg_all_rewards": 0.75, "model_path": "models/x"}))
     (tmp_path / "rl_start.json").write_text(json.dumps({"rl_start": "sft"}))  # the run started from SFT (no base evaluation then)
     assert write_summary(tmp_path, "models/x", "0", RL, rl_run=None)["rl_start"] == "sft"
     assert summary["trl_train_minutes"] == {1: 6.0 / 60, 2: 10.0 / 60} and summary["trl_median_seconds"]["step"] == 4.0
     assert summary["trl_train_reward"] == [(1, 0.25), (2, 0.75)] and (tmp_path / "gsm8k_curves.png").stat().st_size > 0
     assert "TRL  step    1: accuracy 0.625" in capsys.readouterr().out
+    # --trl_dir: that folder's evaluations only, not the default one's
+    shutil.copytree(tmp_path / "trl", tmp_path / "trl_b")
+    (tmp_path / "eval_trl_b_3").mkdir()
+    (tmp_path / "eval_trl_b_3" / "metrics.json").write_text(json.dumps({**metrics, "avg_all_rewards": 0.375}))
+    assert {step: e["avg_all_rewards"] for step, e in write_summary(tmp_path, "models/x", "0", RL, rl_run=None, trl_dir="trl_b")["eval_trl"].items()} == {3: 0.375}
+    # an eval_sft of another folder named sft that still exists is no evaluation of this --out's (only a moved one's is)
+    (tmp_path / "elsewhere" / "sft").mkdir(parents=True)
+    (tmp_path / "eval_sft" / "metrics.json").write_text(json.dumps({**metrics, "model_path": str(tmp_path / "elsewhere" / "sft")}))
+    with pytest.raises(SystemExit, match="holds no evaluation of its SFT checkpoint"):
+        write_summary(tmp_path, "models/x", "0", RL, rl_run=None)
 
 
 def test_gsm8k_no_sft_eval_takes_sfts_accuracy_from_a_step_zero_evaluated_as_the_recipe_does(monkeypatch, tmp_path):
@@ -317,7 +333,14 @@ def test_gsm8k_no_sft_eval_takes_sfts_accuracy_from_a_step_zero_evaluated_as_the
     assert sft_evaluated_by(True, [("eval_penalty", ["--eval_repetition_penalty", "1.1"])]) == "rl"
     assert sft_evaluated_by(False, [("eval_penalty", ["--eval_repetition_penalty", "1.1"]), ("short", ["--eval_max_tokens=256"]),
                                     ("lr4", ["--learning_rate", "4e-6"]), ("seed1", ["--seed", "1"])]) == "lr4"
+    assert sft_evaluated_by(False, [("fresh", ["--eval_engine", "fresh"]), ("train", ["--eval_split=train"]), ("seed1", ["--seed", "1"])]) == "seed1"
     assert sft_evaluated_by(False, [("eval_penalty", ["--eval_repetition_penalty=1.1"]), ("few", ["--eval_num_examples", "64"])]) is None
+    # every evaluation flag train_rl has, as its parser reads them: sampled or nucleus evaluations, a minimum length, an
+    # abbreviation; the evaluation's device changes no accuracy
+    assert sft_evaluated_by(False, [("hot", ["--eval_temperature", "0.7"]), ("top_p", ["--eval_top_p=0.5"]), ("long", ["--eval_min_tokens", "8"]),
+                                    ("abbreviated", ["--eval_rep", "1.1"]), ("elsewhere", ["--eval_device", "cuda:1"])]) == "elsewhere"
+    with pytest.raises(SystemExit, match=r"^train_rl cannot read the variant flags '--eval_max_tokens many': fix them"):
+        sft_evaluated_by(False, [("bad", ["--eval_max_tokens", "many"])])
     # the rollouts' penalty alone leaves the evaluation as the recipe's: every run is given the recipe's evaluation penalty
     assert sft_evaluated_by(False, [("penalty", ["--repetition_penalty", "1.1"]), ("lr4", ["--learning_rate", "4e-6"])]) == "penalty"
     flags = train_rl_flags(RL)
@@ -339,6 +362,11 @@ def test_gsm8k_no_sft_eval_takes_sfts_accuracy_from_a_step_zero_evaluated_as_the
     (tmp_path / "runs" / "rl" / "evals.jsonl").write_text(json.dumps({**row, "step": 0, "avg_all_rewards": 0.53}) + "\n")
     (tmp_path / "rl_start.json").write_text(json.dumps({"rl_start": "sft", "sft_evaluated_by": "rl"}))
     assert write_summary(tmp_path, "models/x", "0", RL, rl_run="rl", variant_runs=["lr4"])["eval_sft"]["evaluated_by"] == "runs/rl step 0"
+    (tmp_path / "runs" / "rl" / "evals.jsonl").write_text(json.dumps({**row, "step": 1, "avg_all_rewards": 0.55}) + "\n")  # named, but no step 0
+    (tmp_path / "rl_start.json").write_text(json.dumps({"rl_start": "sft", "sft_evaluated_by": "rl"}))
+    with pytest.raises(SystemExit, match="holds no evaluation of its SFT checkpoint"):
+        write_summary(tmp_path, "models/x", "0", RL, rl_run="rl", variant_runs=["lr4"])
+    (tmp_path / "runs" / "rl" / "evals.jsonl").write_text(json.dumps({**row, "step": 0, "avg_all_rewards": 0.53}) + "\n")
     for started, missing in (({"rl_start": "base", "sft_evaluated_by": "rl"}, "RL started from the base model models/x, and it holds no evaluation of that model"),  # step 0 is then the base model's, not SFT's
                              ({"rl_start": "sft"}, "holds no evaluation of its SFT checkpoint")):  # no run named: none is taken for SFT's evaluation
         (tmp_path / "rl_start.json").write_text(json.dumps(started))
@@ -406,6 +434,8 @@ def test_gsm8k_call_that_would_start_rl_elsewhere_than_the_runs_in_its_out_is_re
         check_same_start(out, "base", rl_from_base=True)  # the default start, into an --out of SFT-start runs
     with pytest.raises(SystemExit, match=r"or add --no-base_eval$"):
         check_same_start(out, "base", rl_from_base=False)  # the step-0 rule chose the base model
+    (out / "rl_start.json").unlink()  # runs with no recorded start (an earlier version's): nothing to contradict
+    check_same_start(out, "sft") or check_same_start(out, "base", rl_from_base=True)
     (out / "rl_start.json").write_text(json.dumps({"rl_start": "base", "path": "models/x"}))
     shutil.rmtree(out / "trl")
     (out / "runs" / "rl").mkdir()
@@ -448,6 +478,7 @@ def test_gsm8k_summary_of_a_moved_out_keeps_its_sft_and_a_wrong_out_is_one_line(
     (moved / "eval_base" / "metrics.json").write_text(json.dumps(base))
     (moved / "rl_start.json").write_text(json.dumps({"rl_start": "base", "path": base["model_path"]}))
     (moved / "summary.json").write_text(json.dumps({"gpus": "0,1", "rl_settings": {"learning_rate": 2e-6, "group_size": 8}}))
+    (moved / "runs" / "rl").mkdir(parents=True)  # a recipe run that stopped before its first step: no run of ours to report
     result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", "models/x", "--out", str(moved), "--summarize_only", "--tiny"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -664,3 +695,157 @@ def test_bench_model_cache_never_takes_a_cut_short_build_and_never_writes_into_a
     finally:
         os.umask(old_umask)
     assert target.stat().st_mode & 0o777 == 0o750
+
+
+def _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, accuracies, *flags, trl_fails=False):
+    """bench_gsm8k's main as a user calls it, each stage recorded instead of run: an evaluation writes the metrics.json
+    of each of its --output_dir (accuracy from `accuracies`, by folder name), train_rl the logs of its --run_name, TRL two
+    complete checkpoints (rounds 1 and 2) and its steps log. Returns {stage: what ran it} and the summary it wrote."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    import bench_gsm8k
+
+    out, stages = tmp_path / "out", {}
+
+    def run(lane, stage, command, deadline=None):
+        stages[stage] = {"lane": lane.name, "gpu": lane.env["CUDA_VISIBLE_DEVICES"], "command": command, "deadline": deadline}
+
+        def values(flag):
+            start = command.index(flag) + 1
+            return command[start:next((i for i in range(start, len(command)) if command[i].startswith("--")), len(command))]
+
+        if "alignment.evaluate" in command:
+            for model, folder in zip(values("--model_path"), values("--output_dir"), strict=True):
+                Path(folder).mkdir(parents=True)
+                Path(folder, "metrics.json").write_text(json.dumps({"avg_all_rewards": accuracies[Path(folder).name], "format_reward": 1.0,
+                                                                    "mean_response_tokens": 100.0, "num_examples": 1319, "model_path": model}))
+        elif "alignment.train_rl" in command:
+            logs = out / "runs" / values("--run_name")[0]
+            logs.mkdir(parents=True)
+            steps = [{"step": 1, "perf/step_seconds": 30.0, "train/reward": 0.25}, {"step": 2, "perf/step_seconds": 12.0, "train/reward": 0.5},
+                     {"step": 3, "perf/step_seconds": 10.0, "perf/eval_seconds": 4.0, "train/reward": 0.5}]
+            (logs / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in steps))
+            evals = [{"step": step, "avg_all_rewards": accuracy, "format_reward": 1.0, "mean_response_tokens": 100.0, "num_examples": 1319}
+                     for step, accuracy in ((0, accuracies["eval_sft"] if "eval_sft" in accuracies else 0.3), (2, 0.7), (4, 0.75))]  # step 4: after the last logged step
+            (logs / "evals.jsonl").write_text("".join(json.dumps(row) + "\n" for row in evals))
+        elif stage == "trl":
+            if trl_fails:
+                raise SystemExit("trl failed (exit 1); see trl.log")
+            for folder in ("checkpoint-2", "checkpoint-4"):
+                (out / "trl" / folder).mkdir(parents=True)
+                (out / "trl" / folder / "trainer_state.json").write_text("{}")
+            rows = [{"step": step, "rollout_step": (step + 1) // 2, "step_seconds": 3.0, "elapsed_seconds": 3.0 * step, "timers": {}} for step in (1, 2, 3, 4)]
+            (out / "trl" / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return 0.0
+
+    monkeypatch.setattr(bench_gsm8k.Lane, "run", run)
+    monkeypatch.setattr(sys, "argv", ["bench_gsm8k.py", "--model", str(tmp_path / "model"), "--out", str(out), *flags])
+    bench_gsm8k.main()
+    return stages, json.loads((out / "summary.json").read_text())
+
+
+def _value(command, flag):
+    return command[command.index(flag) + 1]
+
+
+def test_gsm8k_rule_starts_rl_and_trl_from_sft_on_a_tie_each_run_on_its_gpu_with_the_deadline(monkeypatch, tmp_path):
+    """--no-rl_from_base on two GPUs: the base evaluation and TRL on the second, SFT and our runs on the first; equal
+    step-0 accuracies start RL from SFT (the seed's order), and that start reaches the recipe's run, the variant's and
+    TRL's, each stopped by --rl_deadline_minutes; every TRL checkpoint is evaluated and the summary has every run."""
+    import time
+
+    accuracies = {"eval_base": 0.5, "eval_sft": 0.5, "eval_trl_1": 0.625, "eval_trl_2": 0.75}
+    called = time.time()
+    stages, summary = _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, accuracies, "--no-rl_from_base", "--gpus", "0,1", "--rl_deadline_minutes", "30",
+                                                       "--variant", "lr4=--learning_rate 4e-6")
+    out, sft = tmp_path / "out", str(tmp_path / "out" / "sft")
+    assert {stage: (ran["lane"], ran["gpu"]) for stage, ran in stages.items()} == {
+        "eval_base": ("peer", "1"), "sft": ("ours", "0"), "eval_sft": ("ours", "0"), "rl": ("ours", "0"), "lr4": ("ours", "0"), "trl": ("peer", "1"), "eval_trl": ("peer", "1")}
+    assert json.loads((out / "rl_start.json").read_text()) == {"rl_start": "sft", "path": sft}
+    assert _value(stages["rl"]["command"], "--sft_checkpoint_path") == _value(stages["lr4"]["command"], "--sft_checkpoint_path") == sft
+    assert _value(stages["trl"]["command"], "--model") == sft and stages["lr4"]["command"][-2:] == ["--learning_rate", "4e-6"]
+    for stage in ("rl", "lr4", "trl"):
+        assert stages[stage]["deadline"] == pytest.approx(called + 30 * 60, abs=30), stage
+    assert stages["eval_base"]["deadline"] is stages["sft"]["deadline"] is None
+    assert _value(stages["eval_base"]["command"], "--repetition_penalty") == "1.0"  # the recipe's evaluation, as train_rl's
+    assert summary["rl_start"] == "sft" and summary["eval_sft"]["avg_all_rewards"] == summary["eval_base"]["avg_all_rewards"] == 0.5
+    assert {step: (e["avg_all_rewards"], e["model_path"]) for step, e in summary["eval_trl"].items()} == {
+        "1": (0.625, str(out / "trl" / "checkpoint-2")), "2": (0.75, str(out / "trl" / "checkpoint-4"))}
+    assert list(summary["variants"]) == ["lr4"]
+    # step 1 (the compile) left out of the median; training minutes without the evaluations; step 4's evaluation after the last logged step
+    assert summary["ours_median_seconds"]["step"] == 11.0
+    assert [(e["step"], e["accuracy"], e["train_minutes"]) for e in summary["ours_evals"]] == [(0, 0.5, 0.0), (2, 0.7, 0.7), (4, 0.75, 0.8)]
+
+
+def test_gsm8k_rule_starts_from_the_base_model_when_it_scores_higher_and_the_default_trains_no_sft(monkeypatch, tmp_path):
+    """--no-rl_from_base on one GPU: the base scoring higher than SFT starts RL from --model; the default start trains
+    no SFT at all (its base evaluation on the second GPU), and a TRL failure still leaves our runs summarised."""
+    stages, summary = _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, {"eval_base": 0.6, "eval_sft": 0.59}, "--no-rl_from_base", "--no-trl")
+    model = str(tmp_path / "model")
+    assert {stage: (ran["lane"], ran["gpu"]) for stage, ran in stages.items()} == {stage: ("ours", "0") for stage in ("eval_base", "sft", "eval_sft", "rl")}
+    assert json.loads((tmp_path / "out" / "rl_start.json").read_text()) == {"rl_start": "base", "path": model}
+    assert _value(stages["rl"]["command"], "--sft_checkpoint_path") == model and summary["rl_start"] == "base"
+    shutil.rmtree(tmp_path / "out")
+    stages, summary = _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, {"eval_base": 0.4}, "--gpus", "0,1", trl_fails=True)
+    assert {stage: (ran["lane"], ran["gpu"]) for stage, ran in stages.items()} == {"eval_base": ("peer", "1"), "rl": ("ours", "0"), "trl": ("peer", "1")}
+    assert _value(stages["rl"]["command"], "--sft_checkpoint_path") == _value(stages["trl"]["command"], "--model") == model
+    assert summary["rl_start"] == "base" and summary["eval_trl"] == {} and [e["step"] for e in summary["ours_evals"]] == [0, 2, 4]
+
+
+def test_gsm8k_no_sft_eval_keeps_the_run_an_earlier_call_named_for_sfts_evaluation(monkeypatch, tmp_path):
+    """A later --no-sft_eval call into an --out whose rl_start.json names an earlier run's step 0 as SFT's evaluation (that
+    run still there): the record stays that run's, not this call's first run's, and the summary takes SFT's accuracy from it."""
+    out = tmp_path / "out"
+    (out / "runs" / "rl").mkdir(parents=True)
+    (out / "runs" / "rl" / "steps.jsonl").write_text(json.dumps({"step": 1, "perf/step_seconds": 3.0, "train/reward": 0.5}) + "\n")
+    (out / "runs" / "rl" / "evals.jsonl").write_text(json.dumps({"step": 0, "avg_all_rewards": 0.52, "format_reward": 1.0, "mean_response_tokens": 100.0,
+                                                                 "num_examples": 1319}) + "\n")
+    (out / "rl_start.json").write_text(json.dumps({"rl_start": "sft", "path": str(out / "sft"), "sft_evaluated_by": "rl"}))
+    stages, summary = _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, {}, "--no-rl_from_base", "--no-base_eval", "--no-sft_eval", "--no-trl",
+                                                       "--no-recipe", "--variant", "seed1=--seed 1")
+    assert list(stages) == ["sft", "seed1"] and json.loads((out / "rl_start.json").read_text())["sft_evaluated_by"] == "rl"
+    assert summary["eval_sft"]["avg_all_rewards"] == 0.52 and summary["eval_sft"]["evaluated_by"] == "runs/rl step 0" and list(summary["variants"]) == ["seed1"]
+
+
+def test_gsm8k_refuses_flag_combinations_and_starts_that_it_cannot_run_before_any_stage(monkeypatch, tmp_path):
+    """Each refusal stops main before any stage runs: --no-base_eval with the default start (the curves start from
+    that evaluation), no RL run at all, a variant named as one of the recipe's stages, and a default-start call into an
+    --out whose runs started from SFT (refused before the base evaluation, not after it). An SFT checkpoint of another
+    model in --out is no reason to refuse the default start, which never uses it."""
+    out = tmp_path / "out"
+    for flags, message in ((["--no-base_eval"], "--no-base_eval: RL starts from the base model (the default) and the curves from its evaluation"),
+                           (["--no-rl_from_base", "--no-recipe", "--no-trl"], "--no-recipe --no-trl leaves no RL run"),
+                           (["--variant", "rl=--seed 1"], "--variant 'rl=--seed 1': expected NAME=FLAGS")):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, {"eval_base": 0.5}, *flags)
+        assert not out.exists()
+    (out / "runs" / "rl").mkdir(parents=True)
+    (out / "runs" / "rl" / "steps.jsonl").write_text('{"step": 1}\n')
+    (out / "rl_start.json").write_text(json.dumps({"rl_start": "sft", "path": str(out / "sft")}))
+    with pytest.raises(SystemExit, match=r"started from sft, this call's would start from base .*or add --no-rl_from_base$"):
+        _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, {"eval_base": 0.5}, "--no-trl", "--no-recipe", "--variant", "seed1=--seed 1")
+    assert sorted(path.name for path in out.iterdir()) == ["rl_start.json", "runs"]  # no eval_base
+    shutil.rmtree(out)
+    (out / "sft").mkdir(parents=True)
+    (out / "sft" / "config.json").write_text("{}")
+    (out / "sft" / "alignment_manifest.json").write_text(json.dumps({"written_by": "alignment", "kind": "sft_checkpoint", "start_model": "/elsewhere/tiny"}))
+    stages, summary = _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, {"eval_base": 0.5}, "--no-trl")
+    assert list(stages) == ["eval_base", "rl"] and summary["rl_start"] == "base"
+
+
+def test_gsm8k_stage_past_the_deadline_is_stopped_and_reported_and_a_failed_stage_stops_the_benchmark(monkeypatch, tmp_path):
+    """Lane.run: past its deadline a stage gets SIGTERM and counts as done (train_rl and bench_trl save and exit on it,
+    what they logged is reported), on the lane's own GPU and compile caches; any other failure stops the benchmark in one line."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    import time
+
+    from bench_gsm8k import Lane
+
+    lane = Lane("peer", "1", tmp_path)
+    assert lane.env["CUDA_VISIBLE_DEVICES"] == "1" and lane.env["VLLM_CACHE_ROOT"] == str(tmp_path / "caches" / "peer" / "vllm_cache_root")
+    assert Lane("ours", None, tmp_path).env["CUDA_VISIBLE_DEVICES"] == ""
+    started = time.perf_counter()
+    minutes = lane.run("sleeper", [sys.executable, "-c", "import os, time; print(os.environ['CUDA_VISIBLE_DEVICES']); time.sleep(60)"], deadline=time.time() + 2)
+    assert minutes * 60 == pytest.approx(time.perf_counter() - started, abs=0.5) and minutes < 0.5
+    assert (tmp_path / "sleeper.log").read_text() == "1\n"  # its output logged, on the lane's GPU
+    with pytest.raises(SystemExit, match=re.escape(f"broken failed (exit 3); see {tmp_path / 'broken.log'}")):
+        lane.run("broken", [sys.executable, "-c", "raise SystemExit(3)"])
