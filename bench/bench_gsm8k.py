@@ -393,8 +393,11 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     import shlex
 
     name, sep, flags = text.partition("=")
-    if not sep or not name.replace("-", "").replace("_", "").replace(".", "").isalnum() or name in ("rl", "sft", "trl"):
-        raise SystemExit(f"--variant {text!r}: expected NAME=FLAGS with NAME of letters, digits, '-', '_', '.' (not rl, sft or trl)")
+    # a run's checkpoint is <out>/NAME and its log <out>/NAME.log: never one of the benchmark's own folders or logs
+    taken = name in ("rl", "sft", "trl", "runs", "caches", "eval_base", "eval_sft") or name.startswith("eval_trl")
+    if not sep or not name.replace("-", "").replace("_", "").replace(".", "").isalnum() or taken:
+        raise SystemExit(f"--variant {text!r}: expected NAME=FLAGS with NAME of letters, digits, '-', '_', '.' "
+                         "(not rl, sft, trl, runs, caches, eval_base, eval_sft or eval_trl...: the benchmark's own folders)")
     return name, shlex.split(flags)
 
 

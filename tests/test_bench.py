@@ -808,13 +808,17 @@ def test_gsm8k_no_sft_eval_keeps_the_run_an_earlier_call_named_for_sfts_evaluati
 
 def test_gsm8k_refuses_flag_combinations_and_starts_that_it_cannot_run_before_any_stage(monkeypatch, tmp_path):
     """Each refusal stops main before any stage runs: --no-base_eval with the default start (the curves start from
-    that evaluation), no RL run at all, a variant named as one of the recipe's stages, and a default-start call into an
+    that evaluation), no RL run at all, a variant named as one of the benchmark's own stages or folders, and a default-start call into an
     --out whose runs started from SFT (refused before the base evaluation, not after it). An SFT checkpoint of another
     model in --out is no reason to refuse the default start, which never uses it."""
     out = tmp_path / "out"
     for flags, message in ((["--no-base_eval"], "--no-base_eval: RL starts from the base model (the default) and the curves from its evaluation"),
                            (["--no-rl_from_base", "--no-recipe", "--no-trl"], "--no-recipe --no-trl leaves no RL run"),
-                           (["--variant", "rl=--seed 1"], "--variant 'rl=--seed 1': expected NAME=FLAGS")):
+                           (["--variant", "rl=--seed 1"], "--variant 'rl=--seed 1': expected NAME=FLAGS"),
+                           # its checkpoint would be the base evaluation's folder, the logs' folder, a TRL evaluation's
+                           (["--variant", "eval_base=--seed 1"], "--variant 'eval_base=--seed 1': expected NAME=FLAGS"),
+                           (["--variant", "runs=--seed 1"], "--variant 'runs=--seed 1': expected NAME=FLAGS"),
+                           (["--variant", "eval_trl_10=--seed 1"], "--variant 'eval_trl_10=--seed 1': expected NAME=FLAGS")):
         with pytest.raises(SystemExit, match=re.escape(message)):
             _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, {"eval_base": 0.5}, *flags)
         assert not out.exists()
