@@ -234,6 +234,9 @@ def _add_rl_loss(parser) -> None:
     loss.add_argument("--adam_betas", type=_beta, nargs=2, default=(0.9, 0.95), help="AdamW betas, each in [0, 1)")
     loss.add_argument("--max_grad_norm", type=_positive_float, default=1.0, help="gradient clipping norm (seed: 1.0)")
     loss.add_argument("--warmup_steps", type=_non_negative_int, default=0, help="linear learning-rate warm-up, in optimizer steps")
+    loss.add_argument("--lr_schedule", choices=["constant", "cosine"], default="constant",
+                      help="after warm-up: constant (seed), or cosine decay that reaches 10%% of the peak as the run's planned optimizer steps end "
+                           "(with --max_train_minutes, set --max_steps to the steps that fit, or the time box ends the run at a high rate)")
     loss.add_argument("--num_epochs", type=_positive_int, default=1, help="passes over the training prompts; the policy is saved to --checkpoint_path after each (seed)")
     loss.add_argument("--max_steps", type=_positive_int, default=None, help="stop after this many rollout steps (default: run all epochs)")
     loss.add_argument("--max_train_minutes", type=_positive_float, default=None,

@@ -222,7 +222,8 @@ def build_models(args, base_model_checkpoint_path, state, policy_version: int, r
 def optimizer_and_schedule(args, model, total_steps: int, state: dict | None, say):
     """AdamW and its schedule over every optimizer step of the run; restored from a training state."""
     optimizer = build_optimizer(model, args.learning_rate, args.weight_decay, args.adam_betas)
-    scheduler = build_scheduler(optimizer, args.warmup_steps, total_steps * args.epochs_per_rollout_batch * (args.total_rollouts // args.train_batch_size))
+    scheduler = build_scheduler(optimizer, args.warmup_steps, total_steps * args.epochs_per_rollout_batch * (args.total_rollouts // args.train_batch_size),
+                                args.lr_schedule)
     if state:
         distributed.load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])

@@ -103,6 +103,17 @@ def test_warmup_and_learning_rate_set_each_steps_rate_and_betas_reach_adamw(task
     assert {update["betas"] for update in updates} == {(0.8, 0.9)} and {update["weight_decay"] for update in updates} == {0.01}
 
 
+
+def test_cosine_schedule_decays_toward_a_tenth_of_the_peak_over_the_runs_steps(task, monkeypatch):
+    """--lr_schedule cosine over a 3-step run: step k (from 0) at 0.1 + 0.45 (1 + cos(pi k / 3)) of 1e-3, so the rate
+    reaches a tenth as the planned steps end; the default holds the peak (the seed's constant rate)."""
+    updates = record_updates(monkeypatch)
+    run(task, monkeypatch, "cosine", "--lr_schedule", "cosine", "--learning_rate", "1e-3", "--max_steps", "3")
+    assert [update["lr"] for update in updates] == pytest.approx([1e-3, 7.75e-4, 3.25e-4])
+    updates.clear()
+    run(task, monkeypatch, "constant", "--learning_rate", "1e-3", "--max_steps", "3")
+    assert [update["lr"] for update in updates] == pytest.approx([1e-3, 1e-3, 1e-3])
+
 def test_train_batch_size_and_microbatches_set_the_steps_and_the_forward_passes(task, monkeypatch):
     """8 rollouts a batch: --train_batch_size 4 gives 2 optimizer steps; --train_mini_batch_size 2 gives 2 microbatches
     per step; --microbatch_tokens 1 (below one row) cuts one row per microbatch instead."""
