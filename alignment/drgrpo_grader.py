@@ -412,6 +412,11 @@ _LAST_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!.*\d)", re.
 
 def _leniently_equal(answer: str, truth: str) -> bool:
     """fast=False only: find the answer inside a sentence, and round floats to 6 places."""
+    last_number = _LAST_NUMBER.search(answer)
+    number = last_number.group().replace(",", "") if last_number else None
+    truth_number = _plain_number(_normalise_string(truth))
+    if number is not None and truth_number is not None and Decimal(number) == truth_number:
+        return True  # plain numbers need no sympy: decided before the safety check, so `**18**` or `\sum` in the text do not hide it
     if not (_is_safe_for_symbolic(answer) and _is_safe_for_symbolic(truth)):
         return False
     gold = _parse_whole(truth)
@@ -419,12 +424,7 @@ def _leniently_equal(answer: str, truth: str) -> bool:
         return False
     candidates = list(_parse_whole(answer))
     candidates += parse(answer, extraction_config=_ANCHORED_LATEX, parsing_timeout=None)
-    last_number = _LAST_NUMBER.search(answer)
-    if last_number:
-        number = last_number.group().replace(",", "")
-        truth_number = _plain_number(_normalise_string(truth))
-        if truth_number is not None and Decimal(number) == truth_number:
-            return True
+    if number is not None:
         candidates += list(_parse_whole(number))
     return verify(list(gold), candidates, float_rounding=LENIENT_FLOAT_DECIMALS, timeout_seconds=None)
 

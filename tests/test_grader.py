@@ -59,6 +59,10 @@ FORMAT_CASES = [
     (" </think> <answer> \\boxed{\\boxed{18}} </answer>", "18", CORRECT),
     (" </think> <answer> \\boxed{18 </answer>", "18", FORMATTED_WRONG),  # unclosed box
     (" </think> <answer> \\boxed 18 </answer>", "18", FORMATTED_WRONG),  # box without braces
+    (" </think> <answer> so \\boxed{18 </answer>", "18", FORMATTED_WRONG),  # unclosed box after text
+    (" </think> <answer> \\boxed {18} </answer>", "18", CORRECT),  # a space before the brace
+    # an escaped brace does not close the box: `\left\{ ... \right.` is one-sided
+    (" </think> <answer> \\boxed{\\left\\{ 1, 2 \\right.} </answer>", "\\left\\{ 1, 2 \\right.", CORRECT),
 ]
 
 
@@ -127,6 +131,20 @@ EQUIVALENT = [
     ("2E2", "200"),
     ("1.0e+3", "1000"),
     ("25e-1", "2.5"),
+    # each below was graded otherwise by a plausible bug that no test caught (a planted-bug round)
+    ("-25\\%", "-25"),  # a signed percent is still a plain number with its unit, not -0.25
+    ("1,200\\%", "1200"),  # thousands commas and a percent unit together
+    ("1,000,000\\%", "1000000"),
+    (".5\\%", "0.5"),  # no leading zero
+    ("1\\,080\\%", "1080"),  # a LaTeX thin space as thousands separator
+    ("1 080", "1080"),
+    ("\\dfrac{1}{\\binom{4}{2}}", "\\frac{1}{\\binom{4}{2}}"),  # \binom: string match only, so normalising must do it
+    ("\\left(\\binom{4}{2}\\right)", "(\\binom{4}{2})"),
+    ("\\binom{4}{2} + 1", "\\binom{4}{2}+1"),
+    ("\\binom{4}{2}\\!+1", "\\binom{4}{2}+1"),
+    ("\\[x = \\frac{1}{2}\\]", "0.5"),  # math delimiters around a symbolic answer
+    ("\\frac{100!}{98!}", "9900"),  # factorials of 3-digit literals still go to sympy
+    ("(1,2)", "1<x<2"),  # math-verify is asymmetric: the gold goes first
 ]
 
 NOT_EQUIVALENT = [
@@ -151,6 +169,13 @@ NOT_EQUIVALENT = [
     ("1800\\%", "18"),  # a percent sign is a unit, not / 100 (math-verify alone says equal)
     ("0.25", "25\\%"),
     ("18\\%", "0.18"),
+    ("1,08", "108"),  # a misplaced comma is not a thousands separator
+    ("-1800\\%", "-18"),
+    ("+1800\\%", "18"),
+    ("1800%", "18"),  # the plain percent sign is a unit too
+    ("18,000\\%", "180"),
+    ("so \\boxed{1800\\%}", "18"),  # a box after text is extracted first, then its percent is a unit
+    ("10000000000000000001", "10000000000000000000"),  # exact decimals, not floats
 ]
 
 
@@ -170,6 +195,24 @@ def test_percent_is_a_unit_in_evaluation_too():
     assert r1_zero_reward_fn(respond("25\\%"), "25", fast=False) == CORRECT
 
 
+def test_slow_path_rounds_floats_to_six_places_not_fewer():
+    assert r1_zero_reward_fn(respond("0.333333"), "\\frac{1}{3}", fast=False) == CORRECT
+    assert r1_zero_reward_fn(respond("0.33333"), "\\frac{1}{3}", fast=False) == FORMATTED_WRONG
+
+
+def test_reward_values_are_the_r1_zero_contract():
+    """The constants the other tests compare with, pinned: a planted change to one of them passed every other test."""
+    assert r1_zero_reward_fn(respond("18"), "18") == {"format_reward": 1.0, "answer_reward": 1.0, "reward": 1.0}
+    assert r1_zero_reward_fn(respond("19"), "18") == {"format_reward": 1.0, "answer_reward": 0.0, "reward": 0.0}
+    assert r1_zero_reward_fn(" so 18 </think><answer> 18 </answer>", "18") == {"format_reward": 0.0, "answer_reward": 0.0, "reward": 0.0}
+
+
+def test_whitespace_around_an_answer_or_truth_does_not_count_towards_the_size_limit():
+    # 300 spaces would push either side past MAX_SYMBOLIC_CHARS (string match only) if it were not stripped first
+    assert r1_zero_reward_fn(respond(" " * 300 + "\\frac{1}{2}"), "0.5") == CORRECT
+    assert r1_zero_reward_fn(respond("0.5"), " " * 300 + "\\frac{1}{2}") == CORRECT
+
+
 GROUND_TRUTH_TYPES = [
     # (model answer, ground truth, expected)
     ("18", 18, CORRECT),
@@ -178,6 +221,7 @@ GROUND_TRUTH_TYPES = [
     ("0.5", 0.5, CORRECT),
     ("\\frac{5}{2}", 2.5, CORRECT),
     ("100000000000000000000", 1e20, CORRECT),  # not "1e+20"
+    ("10^{20}", 1e20, CORRECT),  # "1e+20" would reach sympy as 1*e + 20, e being Euler's number
     ("0.1", 0.1, CORRECT),  # repr, so not 0.1000000000000000055...
     ("\\frac12", ["1/3", "0.5"], CORRECT),  # any of a list
     ("3", ["1", "2"], FORMATTED_WRONG),
@@ -203,6 +247,11 @@ LENIENT_ONLY = [
     ("so it is $\\frac{1}{2}$", "0.5"),
     ("0.333333", "\\frac{1}{3}"),  # 6-decimal rounding
     ("1.414214", "\\sqrt{2}"),
+    ("Each costs 3 dollars,\nso the total is 18", "18"),  # the last number across lines
+    ("The total is 1,080.", "1080"),  # thousands commas in the last number
+    ("The answer is **18**.", "18"),  # markdown bold: `**` keeps sympy out, not the plain last number
+    ("**18**", "18"),
+    ("By $\\sum$ of the parts, 18", "18"),
 ]
 
 
@@ -276,6 +325,35 @@ def test_batch_helper_never_raises_on_bad_arguments():
     assert grade_responses([respond("18"), respond("18")], ["18"]) == [CORRECT, FORMATTED_WRONG]
     assert grade_responses([respond("18")], ["18", "19"]) == [CORRECT]
     assert grade_responses([respond("18")] * 300, ["18"] * 300, num_workers="many") == [CORRECT] * 300
+
+
+def test_batch_helper_passes_fast_on_to_serial_and_worker_grading():
+    """fast=False (evaluation) must reach a small batch's serial grading and a big batch's workers alike."""
+    cases = [(respond(answer), truth) for answer, truth in LENIENT_ONLY]
+    for size in (len(cases), 300):
+        responses, truths = zip(*(cases * (size // len(cases) + 1))[:size])
+        assert grade_responses(responses, truths, fast=False, num_workers=2) == [CORRECT] * size
+        assert grade_responses(responses, truths, num_workers=2) == [FORMATTED_WRONG] * size
+
+
+@pytest.mark.parametrize("needing_sympy", [1, 8, 9])
+def test_batch_helper_grades_every_answer_when_few_need_sympy(needing_sympy):
+    # 9 answers for 2 workers make chunks of 2 and a last chunk of one, the one most easily lost
+    cases = [(respond("\\frac{1}{2}"), "0.5", CORRECT)] * needing_sympy + [(respond("19"), "18", FORMATTED_WRONG)] * (300 - needing_sympy)
+    responses, truths, expected = zip(*cases)
+    assert grade_responses(responses, truths, num_workers=2) == list(expected)
+
+
+def test_batch_helper_grades_serially_when_the_workers_cannot_start(monkeypatch, caplog):
+    def cannot_start(count):
+        raise OSError("no processes left")
+
+    monkeypatch.setattr(drgrpo_grader, "_start_workers", cannot_start)
+    cases = [(respond(answer), truth) for answer, truth in EQUIVALENT + NOT_EQUIVALENT]
+    responses, truths = zip(*(cases * (300 // len(cases) + 1))[:300])
+    expected = [r1_zero_reward_fn(response, truth) for response, truth in zip(responses, truths)]
+    assert grade_responses(responses, truths, num_workers=3) == expected
+    assert "grading pool failed (OSError)" in caplog.text
 
 
 # ---------------------------------------------------------------- never raises
@@ -793,3 +871,17 @@ def test_a_grading_worker_bounds_each_match_by_the_seconds_it_was_sent():
     done = talk_to_a_worker(['["match", [["x", ["y"], true]], 10]', '["match", [["x", ["y"], true]], 0.2]'], prelude)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ['"ready"', "[true]", "[false]"]
+
+
+def test_an_answer_sent_to_a_dead_worker_counts_as_wrong(monkeypatch):
+    """A worker found dead when its task arrives gives no verdict: wrong, never the task's default."""
+    monkeypatch.setattr(drgrpo_grader, "_symbolic_pool", None)  # a pool of its own, to break; the shared one comes back after
+    assert grade_in_thread(respond("\\frac{1}{2}"), "0.5")[0] == CORRECT  # starts the workers (seconds)
+    pool = drgrpo_grader._symbolic_pool
+    try:
+        for worker in pool.workers:
+            worker.process.kill()
+            worker.process.wait()
+        assert grade_in_thread(respond("\\frac{1}{3}"), "0.5")[0] == FORMATTED_WRONG
+    finally:
+        pool.close()
