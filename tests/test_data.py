@@ -206,3 +206,88 @@ def test_download_to_an_unwritable_or_full_data_dir_is_one_line_and_leaves_no_cu
         data_main(["download", "--data_dir", str(tmp_path / "full")])
     assert sorted(path.name for path in (tmp_path / "full").iterdir()) == []
 
+
+
+def test_a_limited_dataset_is_the_files_first_rows_in_order_with_their_lines(tmp_path):
+    """--num_examples N / --eval_num_examples N mean the split's first N problems: the same problems for every
+    checkpoint and every run, each still naming its own file:line in error messages."""
+    rows = [{"question": f"q{index}?", "answer": f"a\n#### {index}"} for index in range(1, 5)]
+    _write(tmp_path, "test", "".join(json.dumps(row) + "\n" for row in rows).encode())
+    dataset = Gsm8kDataset("test", tmp_path, limit=2)
+    assert dataset.ground_truths == ["1", "2"]
+    assert dataset.prompts == [format_r1_zero_prompt("q1?"), format_r1_zero_prompt("q2?")]
+    assert dataset.sources == [f"{tmp_path / 'test.jsonl'}:1", f"{tmp_path / 'test.jsonl'}:2"]
+    assert len(Gsm8kDataset("test", tmp_path, limit=0)) == 0
+    assert Gsm8kDataset("test", tmp_path).ground_truths == ["1", "2", "3", "4"]
+
+
+def test_a_blank_line_inside_the_file_is_skipped_and_the_rows_after_it_are_read(tmp_path):
+    second = json.dumps({"question": "q?", "answer": "b\n#### 7"}).encode() + b"\n"
+    _write(tmp_path, "train", GOOD + b"\n   \n" + second)
+    rows = load_gsm8k("train", tmp_path)
+    assert [(row["ground_truth"], row["where"]) for row in rows] == [("3", f"{tmp_path / 'train.jsonl'}:1"), ("7", f"{tmp_path / 'train.jsonl'}:4")]
+
+
+def test_the_sft_target_answer_is_the_ground_truth_without_thousands_commas():
+    """The tag SFT teaches must be the string the grader compares: `1,080` in the target, `1080` as ground truth."""
+    assert build_sft_completion("It costs 1,080 dollars.\n#### 1,080") == " It costs 1,080 dollars. </think> <answer> 1080 </answer>"
+    assert build_sft_completion("#### 12") == " </think> <answer> 12 </answer>"
+
+
+def test_the_question_is_put_into_the_prompt_verbatim():
+    question = "  Ann has 3 apples.\nHow many?  "
+    assert format_r1_zero_prompt(question) == EXPECTED_PROMPT.replace("{question}", question)
+
+
+def test_an_unknown_split_is_named_before_any_file_is_looked_for(tmp_path):
+    _write(tmp_path, "validation", GOOD)
+    for split in ("validation", "dev"):
+        with pytest.raises(UserError, match=rf"^unknown split '{split}': use one of train, test$"):
+            load_gsm8k(split, tmp_path)
+
+
+class _BytesTokenizer:
+    """One token per UTF-8 byte: the most a byte-level BPE tokenizer gives (check_prompt_lengths' bound)."""
+
+    def __call__(self, text):
+        return {"input_ids": list(text.encode("utf-8"))}
+
+
+def test_a_prompt_is_checked_against_the_context_less_the_new_tokens_in_bytes(tmp_path):
+    """A prompt fits when its tokens plus max_new_tokens fit the context; a question of accented letters holds
+    two bytes (so up to two tokens) per character."""
+    template_bytes = len(EXPECTED_PROMPT.encode()) - len("{question}")
+    rows = [{"question": "a" * (950 - template_bytes), "answer": "#### 1"},      # 950 tokens: fits 1000, not 1000 - 100
+            {"question": "\u00e9" * 250, "answer": "#### 2"},                     # 250 characters, 500 bytes
+            {"question": "a" * (900 - template_bytes), "answer": "#### 3"}]      # exactly 900 tokens: fits
+    _write(tmp_path, "test", "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode())
+    dataset = Gsm8kDataset("test", tmp_path)
+    with pytest.raises(UserError, match=r"test.jsonl:1: the prompt is 950 tokens; with --max_tokens 100 it does not fit the model's 1000-token context"):
+        dataset.check_prompt_lengths(_BytesTokenizer(), 1000, 100, "--max_tokens")
+    accented = Gsm8kDataset("test", tmp_path, limit=2)
+    accented.prompts, accented.sources = accented.prompts[1:], accented.sources[1:]
+    tokens = template_bytes + 500
+    with pytest.raises(UserError, match=rf"test.jsonl:2: the prompt is {tokens} tokens; with --max_tokens 100 it does not fit the model's {tokens + 50}-token context"):
+        accented.check_prompt_lengths(_BytesTokenizer(), tokens + 50, 100, "--max_tokens")
+    last = Gsm8kDataset("test", tmp_path)  # the last row alone: exactly at the limit
+    last.prompts, last.sources = last.prompts[2:], last.sources[2:]
+    last.check_prompt_lengths(_BytesTokenizer(), 1000, 100, "--max_tokens")
+
+
+def test_download_writes_the_rows_as_utf8_text(tmp_path, monkeypatch):
+    """Questions with non-ASCII characters (651 train rows: €, é, ÷) are written as themselves, as openai/gsm8k's own
+    jsonl holds them, not as \\u escapes."""
+    import datasets
+
+    rows = {"train": [{"question": "Caf\u00e9 sells 2 tea for \u20ac3?", "answer": "3 \u00f7 1 #### 3"}], "test": [{"question": "4 - 1?", "answer": "3 #### 3"}]}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config: rows)
+    data_main(["download", "--data_dir", str(tmp_path)])
+    assert (tmp_path / "train.jsonl").read_bytes() == '{"question": "Caf\u00e9 sells 2 tea for \u20ac3?", "answer": "3 \u00f7 1 #### 3"}\n'.encode("utf-8")
+    assert load_gsm8k("train", tmp_path)[0]["question"] == "Caf\u00e9 sells 2 tea for \u20ac3?"
+
+
+def test_the_final_answer_is_after_the_last_marker():
+    """An answer that quotes `####` in its reasoning still ends in `#### <final answer>` (the SFT target cuts there too)."""
+    answer = "The sign reads #### 5 on the door.\nSo 3 + 4 = 7\n#### 7"
+    assert extract_ground_truth(answer) == "7"
+    assert build_sft_completion(answer) == " The sign reads #### 5 on the door.\nSo 3 + 4 = 7 </think> <answer> 7 </answer>"

@@ -543,6 +543,16 @@ def test_pass_at_k_samples_each_problem_n_times_at_its_own_temperature():
     assert add_pass_at_k({"avg_all_rewards": 0.5}, engine, ["a"], ["5"], args, "") == {"avg_all_rewards": 0.5}
 
 
+def test_pass_at_k_averages_over_every_ranks_problems():
+    """Under torchrun each rank samples its share of the problems; the means are over all the gathered counts."""
+    right, wrong = " 2 + 3 = 5 </think> <answer> 5 </answer>", " 1 </think> <answer> 4 </answer>"
+    args = SimpleNamespace(samples=3, pass_k=2, samples_temperature=0.8, temperature=0.0, top_p=1.0, min_tokens=0, max_tokens=16, repetition_penalty=1.0)
+    other_rank = [3, 3]  # its two problems: every sample right
+    metrics = add_pass_at_k({}, _CyclingEngine([right, wrong, wrong]), ["a", "b"], ["5", "7"], args, "", gather=lambda counts: counts + other_rank)
+    assert metrics["pass@2"] == pytest.approx((1 - 1 / 3 + 0 + 1 + 1) / 4)
+    assert metrics["sampled_accuracy"] == pytest.approx((1 + 0 + 3 + 3) / 12)
+
+
 def test_pass_at_k_grades_each_sample_against_its_own_problems_answer():
     """Problem a's samples all answer 5 (a's truth), problem b's answer 7, 9, 7 (b's truth 7): counts [3, 2], which
     only the truths repeated per problem (a, a, a, b, b, b) give; tiled (a, b, a, b, ...) they give [2, 2]."""

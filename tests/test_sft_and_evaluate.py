@@ -566,3 +566,89 @@ def test_sft_keeps_an_example_exactly_max_seq_len_tokens_long(task, capsys):
         out = capsys.readouterr().out
         assert (f"dropped {dropped} examples longer than --max_seq_len {max_seq_len}" in out) == bool(dropped), out[-1000:]
         assert bool(dropped) or "dropped" not in out
+
+
+def test_evaluate_math_refuses_an_engine_that_returned_fewer_responses_than_prompts():
+    """A response lost by the engine would drop its problem from every mean (num_examples 1 of 2, accuracy of one)."""
+    engine = FakeEngine([(" </think> <answer> 5 </answer>", 3)])
+    with pytest.raises(ValueError, match="shorter"):
+        evaluate_math(engine, r1_zero_reward_fn, ["p1", "p2"], ["5", "6"], SamplingSettings(temperature=0.0))
+
+
+def test_the_metrics_table_shows_each_rate_and_pass_at_k():
+    metrics = {"num_examples": 4, "avg_all_rewards": 0.25, "format_reward": 0.75, "answer_reward": 0.5, "mean_response_tokens": 7.25,
+               "seconds": 1.5, "pass@2": 0.625, "pass_at_k_samples": 3, "sampled_accuracy": 0.5}
+    assert evaluate.format_metrics_table(metrics, "m on test") == "\n".join([
+        "m on test",
+        "  examples                    4",
+        "  accuracy (avg_all_rewards)  0.2500",
+        "  pass@2 (3 samples)          0.6250",
+        "  format rate                 0.7500",
+        "  answer rate                 0.5000",
+        "  mean response tokens        7.2",
+        "  seconds                     1.5",
+    ])
+
+
+def test_evaluate_cli_writes_samples_in_data_order_with_its_sampling_settings(task, tmp_path):
+    """samples.jsonl's line i is the split's problem i, and metrics.json records the settings the responses were sampled with."""
+    from alignment.data import Gsm8kDataset
+
+    out = tmp_path / "sampled"
+    evaluate.main(["--model_path", str(task.sft), "--data_dir", str(task.data), "--num_examples", "4", "--max_tokens", "6", "--backend", "hf",
+                   "--temperature", "0.7", "--top_p", "0.9", "--repetition_penalty", "1.0", "--output_dir", str(out)])
+    dataset = Gsm8kDataset("test", task.data, limit=4)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(sample["prompt"], sample["ground_truth"]) for sample in samples] == list(zip(dataset.prompts, dataset.ground_truths))
+    written = json.loads((out / "metrics.json").read_text())
+    assert {key: written[key] for key in ("temperature", "top_p", "repetition_penalty", "num_examples", "split")} == {
+        "temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.0, "num_examples": 4, "split": "test"}
+
+
+def test_several_checkpoints_sampled_at_a_temperature_each_draw_from_the_seed(task, tmp_path):
+    """torch's generator is seeded with --seed before each checkpoint's generation: two copies of one checkpoint
+    sampled in one call give the same responses, those of a call of its own."""
+    first, second = shutil.copytree(task.sft, tmp_path / "a" / "model"), shutil.copytree(task.sft, tmp_path / "b" / "model")
+    common = ["--data_dir", str(task.data), "--num_examples", "4", "--max_tokens", "8", "--backend", "hf", "--temperature", "1.0", "--seed", "3"]
+    evaluate.main(["--model_path", str(first), str(second), "--output_dir", str(tmp_path / "first"), str(tmp_path / "second"), *common])
+    evaluate.main(["--model_path", str(second), "--output_dir", str(tmp_path / "alone"), *common])
+    assert _responses(tmp_path / "first") == _responses(tmp_path / "second") == _responses(tmp_path / "alone")
+
+
+def test_summarize_samples_averages_each_reward_key_over_all_samples():
+    """avg_all_rewards is the mean of "reward" (r1_zero's equals answer_reward, another reward_fn's need not)."""
+    samples = [{"reward": 0.5, "format_reward": 1.0, "answer_reward": 0.0, "num_tokens": 3},
+               {"reward": 1.5, "format_reward": 0.0, "answer_reward": 1.0, "num_tokens": 5},
+               {"reward": 1.0, "format_reward": 1.0, "answer_reward": 1.0, "num_tokens": 10}]
+    metrics = evaluate.summarize_samples(samples, 2.0)
+    assert {key: metrics[key] for key in ("avg_all_rewards", "format_reward", "answer_reward", "num_examples", "mean_response_tokens", "seconds")} == {
+        "avg_all_rewards": 1.0, "format_reward": 2 / 3, "answer_reward": 2 / 3, "num_examples": 3, "mean_response_tokens": 6.0, "seconds": 2.0}
+    assert evaluate.summarize_samples([], 0.0)["avg_all_rewards"] == 0.0
+
+
+def test_a_child_evaluation_is_asked_for_with_every_flag_of_the_parent(task):
+    """Checkpoints of another architecture are evaluated by a child process: its command line must parse back to the
+    parent's flags, a BooleanOptionalAction's --no- form included."""
+    from alignment.args import parse_eval_args
+
+    args = parse_eval_args(["--model_path", "a", "b", "--data_dir", str(task.data), "--num_examples", "3", "--temperature", "0.5", "--top_p", "0.8",
+                            "--max_tokens", "7", "--samples", "2", "--pass_k", "2", "--no-vllm_enforce_eager", "--backend", "hf", "--seed", "4"])
+    command = evaluate._command_for(args, ["b"], ["out_b"])
+    assert command[1:5] == ["-m", "alignment.evaluate", "--model_path", "b"] and "--vllm_enforce_eager" not in command
+    child = parse_eval_args(command[3:])
+    assert (child.model_path, child.output_dir) == (["b"], ["out_b"])
+    assert {**vars(child), "model_path": None, "output_dir": None} == {**vars(args), "model_path": None, "output_dir": None}
+    assert child.vllm_enforce_eager is False
+
+
+def test_an_explicit_output_dir_holding_another_models_evaluation_is_refused(task, tmp_path):
+    """Not only the default folder: --output_dir eval given to a second checkpoint would overwrite the first's metrics."""
+    other = shutil.copytree(task.sft, tmp_path / "other")
+    out = tmp_path / "eval"
+    common = ["--data_dir", str(task.data), "--num_examples", "2", "--max_tokens", "4", "--backend", "hf", "--output_dir", str(out)]
+    evaluate.main(["--model_path", str(task.sft), *common])
+    written = {name: (out / name).read_bytes() for name in ("metrics.json", "samples.jsonl")}
+    with pytest.raises(UserError, match=rf"^--output_dir {re.escape(str(out))} holds the evaluation of {re.escape(str(task.sft))} \(metrics.json\); "
+                                        r"pass another --output_dir to keep both"):
+        evaluate.main(["--model_path", str(other), *common])
+    assert {name: (out / name).read_bytes() for name in ("metrics.json", "samples.jsonl")} == written

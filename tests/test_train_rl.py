@@ -671,6 +671,11 @@ def test_a_fresh_evaluation_is_asked_for_with_the_eval_flags(monkeypatch, tmp_pa
     command = commands[0]
     given = {flag: command[command.index(flag) + 1] for flag in ("--temperature", "--top_p", "--min_tokens", "--max_tokens", "--repetition_penalty")}
     assert given == {"--temperature": "0.0", "--top_p": "1.0", "--min_tokens": "0", "--max_tokens": "20", "--repetition_penalty": "1.0"}
+    args.eval_split, args.eval_num_examples, args.eval_top_p, args.eval_samples, args.eval_pass_k, args.eval_samples_temperature = "train", 3, 0.95, 4, 2, 0.8
+    evaluate.evaluate_in_subprocess(tmp_path / "model", args, tmp_path, "cpu")
+    command = commands[1]
+    given = {flag: command[command.index(flag) + 1] for flag in ("--split", "--num_examples", "--top_p", "--samples", "--pass_k", "--samples_temperature")}
+    assert given == {"--split": "train", "--num_examples": "3", "--top_p": "0.95", "--samples": "4", "--pass_k": "2", "--samples_temperature": "0.8"}
 
 
 def test_overlong_judges_and_penalises_the_response_against_the_rollouts_token_limit():
