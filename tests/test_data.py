@@ -207,7 +207,6 @@ def test_download_to_an_unwritable_or_full_data_dir_is_one_line_and_leaves_no_cu
     assert sorted(path.name for path in (tmp_path / "full").iterdir()) == []
 
 
-
 def test_a_limited_dataset_is_the_files_first_rows_in_order_with_their_lines(tmp_path):
     """--num_examples N / --eval_num_examples N mean the split's first N problems: the same problems for every
     checkpoint and every run, each still naming its own file:line in error messages."""

@@ -369,7 +369,6 @@ def test_evaluate_several_checkpoints_with_one_engine(task, tmp_path, backend, m
     assert together[1]["avg_all_rewards"] == alone["avg_all_rewards"] and together[1]["mean_response_tokens"] == alone["mean_response_tokens"]
 
 
-
 def test_checkpoints_no_one_engine_holds_are_evaluated_in_a_child_process_each(task, tmp_path):
     """An SFT checkpoint beside RL checkpoints of another architecture: vLLM keeps one engine per process (a second
     one, after the first closed, found its GPU memory still taken), so each group runs in a child process; the
