@@ -82,16 +82,13 @@ def evaluation_flags_set(flags: list[str]) -> list[str]:
     """The train_rl options among `flags` that change how its evaluations are made (every `--eval_*` but the device),
     read by train_rl's own parser, so `--eval_top_p=0.5` and abbreviations such as `--eval_rep 1.1` count too: a run
     given one evaluates its step 0 otherwise than alignment.evaluate evaluates SFT in the recipe."""
-    from alignment.args import build_rl_parser
+    from alignment.args import build_rl_parser, given_flags
 
-    parser = build_rl_parser()
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS  # what the flags set, and nothing else
     try:
-        given = vars(parser.parse_known_args(flags)[0])
-    except SystemExit:  # argparse's own message (an ambiguous abbreviation, a bad value) is on stderr above
+        given = given_flags(build_rl_parser(), flags)
+    except SystemExit:  # argparse's own message (an unknown flag or abbreviation, a bad value) is on stderr above
         raise SystemExit(f"train_rl cannot read the variant flags {' '.join(flags)!r}: fix them (see python -m alignment.train_rl --help)") from None
-    return sorted(f"--{dest}" for dest in given if dest.startswith("eval_") and dest != "eval_device")
+    return [f"--{dest}" for dest in given if dest.startswith("eval_") and dest != "eval_device"]
 
 
 def sft_evaluated_by(recipe: bool, variants: list[tuple[str, list[str]]]) -> str | None:
