@@ -69,6 +69,7 @@ RL = {
     "top_p": 1.0,
     "repetition_penalty": 1.0,  # the seed's 1.1 makes every update score tokens the policy did not sample
     "learning_rate": 2e-6,
+    "lr_schedule": "constant",  # --lr_schedule cosine: decay to 10% over each run's planned steps (run 22, one seed so far)
     "adam_betas": (0.9, 0.95),
     "cliprange": 0.2,
     "cliprange_high": 0.28,  # DAPO's clip-higher
@@ -105,7 +106,8 @@ def train_rl_flags(rl: dict) -> list[str]:
         "--sampling_max_tokens", str(rl["max_tokens"]), "--sampling_min_tokens", str(rl["min_tokens"]),
         "--sampling_temperature", str(rl["temperature"]), "--sampling_top_p", str(rl["top_p"]),
         "--repetition_penalty", str(rl["repetition_penalty"]), "--eval_repetition_penalty", str(rl["repetition_penalty"]),
-        "--learning_rate", str(rl["learning_rate"]), "--adam_betas", *map(str, rl["adam_betas"]), "--kl_coef", "0", "--no-log_reference_kl",
+        "--learning_rate", str(rl["learning_rate"]), "--lr_schedule", rl["lr_schedule"],
+        "--adam_betas", *map(str, rl["adam_betas"]), "--kl_coef", "0", "--no-log_reference_kl",
         "--cliprange", str(rl["cliprange"]), "--cliprange_high", str(rl["cliprange_high"]), "--length_normalization", rl["length_normalization"],
         "--use_std_normalization" if rl["std_normalization"] else "--no-use_std_normalization",
     ]
@@ -115,7 +117,7 @@ def trl_flags(rl: dict) -> list[str]:
     return [
         "--prompts_per_step", str(rl["prompts_per_step"]), "--group_size", str(rl["group_size"]), "--train_batch", str(rl["train_batch_size"]),
         "--max_tokens", str(rl["max_tokens"]), "--min_tokens", str(rl["min_tokens"]), "--temperature", str(rl["temperature"]), "--top_p", str(rl["top_p"]),
-        "--repetition_penalty", str(rl["repetition_penalty"]), "--learning_rate", str(rl["learning_rate"]),
+        "--repetition_penalty", str(rl["repetition_penalty"]), "--learning_rate", str(rl["learning_rate"]), "--lr_schedule", rl["lr_schedule"],
         "--adam_beta2", str(rl["adam_betas"][1]), "--epsilon", str(rl["cliprange"]), "--epsilon_high", str(rl["cliprange_high"]),
         "--loss_type", {"mean": "grpo", "constant": "dr_grpo"}[rl["length_normalization"]], "--scale_rewards", "group" if rl["std_normalization"] else "none",
     ]
@@ -200,6 +202,9 @@ def main():
     parser.add_argument("--rl_minutes", type=float, default=None,
                         help="end each of our RL runs at the step whose training time reaches this many minutes (train_rl --max_train_minutes: "
                              "it still saves and evaluates; engine start and evaluations are not counted), and TRL's the same way")
+    parser.add_argument("--lr_schedule", choices=["constant", "cosine"], default=None,
+                        help=f"both trainers' learning-rate schedule (default: the recipe's, {RL['lr_schedule']}); cosine decays to 10%% of the "
+                             "peak over each run's planned steps (--rl_steps, --trl_steps: give both the same number)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                         help="another RL run from the same start: the recipe's train_rl flags plus FLAGS (repeatable; runs after the recipe's own)")
     parser.add_argument("--recipe", action=argparse.BooleanOptionalAction, default=True, help="run the recipe's own RL run (rl) before the variants; --no-recipe without --variant runs TRL alone from the start checkpoint")
@@ -224,7 +229,10 @@ def main():
     args.out, args.data_dir = args.out.resolve(), args.data_dir.resolve()
     args.model = args.model.resolve() if args.model.exists() else args.model
 
-    rl = args.rl = TINY_RL if args.tiny else RL
+    rl = args.rl = {**(TINY_RL if args.tiny else RL), **({"lr_schedule": args.lr_schedule} if args.lr_schedule else {})}
+    if rl["lr_schedule"] == "cosine" and args.trl and not args.tiny and args.trl_steps != args.rl_steps and not args.summarize_only:
+        raise SystemExit(f"--lr_schedule cosine decays over each run's planned steps: --trl_steps {args.trl_steps} against --rl_steps "
+                         f"{args.rl_steps} would give TRL and ours different rates at equal steps: give both the same number, or add --no-trl")
     variants = [parse_variant(text) for text in args.variant]
     if not args.recipe and not variants and not args.trl:
         raise SystemExit("--no-recipe --no-trl leaves no RL run: add at least one --variant NAME=FLAGS, or drop --no-trl")

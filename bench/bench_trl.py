@@ -17,8 +17,9 @@ GSM8K trains `--model` on the train split with this project's r1_zero reward
 passes: prompts per step, group size, completions per optimizer step (`--train_batch`;
 fewer than a round's makes several optimizer steps per generation round, TRL's
 `generation_batch_size`), response cap (stop at `</answer>`, kept), temperature,
-repetition penalty, learning rate held constant, Adam betas, clip range (`--epsilon`,
-`--epsilon_high`), the loss's aggregation (`--loss_type` grpo = train_rl's
+repetition penalty, learning rate and its schedule (constant, or `--lr_schedule cosine`
+to 10% of the peak over the run's optimizer steps, as train_rl's), Adam betas, clip
+range (`--epsilon`, `--epsilon_high`), the loss's aggregation (`--loss_type` grpo = train_rl's
 `--length_normalization mean`, dr_grpo = `constant` over the response cap) and the
 group std (`--scale_rewards` group / none = `--no-use_std_normalization`). TRL's
 defaults that would make it another algorithm are set to train_rl's: no importance-
@@ -137,7 +138,16 @@ def step_clock(steps_log: Path, timers: dict, optimizer_steps_per_round: int, ma
     return StepClock()
 
 
-def main():
+def lr_schedule_settings(schedule: str) -> dict:
+    """GRPOConfig's scheduler settings for train_rl's `--lr_schedule`: constant, or transformers' cosine that ends at
+    10% of the peak (`cosine_with_min_lr`, `min_lr_rate` 0.1), the decay alignment.optim.build_scheduler makes over
+    the same optimizer steps."""
+    if schedule == "cosine":
+        return {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}}
+    return {"lr_scheduler_type": "constant"}
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=["w1", "gsm8k"], default="w1")
     parser.add_argument("--model", default=None, help="gsm8k: the start checkpoint (an HF folder)")
@@ -159,12 +169,19 @@ def main():
     gsm8k.add_argument("--top_p", type=float, default=1.0)
     gsm8k.add_argument("--repetition_penalty", type=float, default=1.1)
     gsm8k.add_argument("--learning_rate", type=float, default=3e-6)
+    gsm8k.add_argument("--lr_schedule", choices=["constant", "cosine"], default="constant",
+                       help="train_rl's --lr_schedule: constant, or cosine decay to 10%% of the peak over --steps")
     gsm8k.add_argument("--adam_beta2", type=float, default=0.95)
     gsm8k.add_argument("--train_batch", type=positive_int, default=None, help="completions per optimizer step (default: all of a generation round)")
     gsm8k.add_argument("--epsilon", type=float, default=0.2, help="lower clip range (train_rl --cliprange)")
     gsm8k.add_argument("--epsilon_high", type=float, default=None, help="upper clip range (train_rl --cliprange_high); default --epsilon")
     gsm8k.add_argument("--loss_type", choices=["grpo", "dr_grpo"], default="grpo", help="grpo: per-sequence mean; dr_grpo: sum / max_tokens")
     gsm8k.add_argument("--scale_rewards", choices=["group", "none"], default="group", help="divide by the group's reward std, or not")
+    return parser
+
+
+def main():
+    parser = build_parser()
     args = parser.parse_args()
     if args.max_train_minutes is not None and args.max_train_minutes <= 0:
         parser.error(f"--max_train_minutes {args.max_train_minutes:g}: give a positive number of minutes, or drop the flag")
@@ -211,7 +228,7 @@ def main():
             num_generations=args.group_size, max_completion_length=args.max_tokens,
             generation_kwargs={**stop, "min_tokens": args.min_tokens} if use_vllm else None,
             temperature=args.temperature, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-            beta=0.0, learning_rate=args.learning_rate, lr_scheduler_type="constant", adam_beta2=args.adam_beta2,
+            beta=0.0, learning_rate=args.learning_rate, **lr_schedule_settings(args.lr_schedule), adam_beta2=args.adam_beta2,
             epsilon=args.epsilon, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
             loss_type=args.loss_type, scale_rewards=args.scale_rewards, vllm_importance_sampling_correction=False,
             save_strategy="steps" if args.save_every else "no", save_steps=(args.save_every or 500) * optimizer_steps_per_round, save_only_model=True,

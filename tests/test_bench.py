@@ -1,6 +1,7 @@
 """The GPU benchmarks' CPU smoke mode (--device cpu --tiny): same code paths, seconds."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -249,6 +250,56 @@ def test_bench_counts_that_cannot_be_zero_are_refused_in_one_line_before_any_wor
         result = subprocess.run([sys.executable, f"bench/{script}", "--out", str(tmp_path / "out"), *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
         assert result.returncode == 2 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
         assert result.stderr.strip().splitlines()[-1].endswith(f"argument {named}: must be a positive integer, got {flags[-1].split('=')[-1]}"), result.stderr
+
+
+def test_trl_gets_every_recipe_setting_and_the_same_learning_rate_at_every_step(monkeypatch, tmp_path):
+    """bench_gsm8k's settings, as bench_trl's parser reads them, are the recipe's; its scheduler, built the way the Trainer
+    builds it, gives each optimizer step the rate train_rl's gives it (constant, and cosine to 10% of the peak: TRL
+    stayed constant while ours decayed). A cosine pair with unequal planned steps is refused before any work."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    import torch
+    from bench_gsm8k import RL, train_rl_flags, trl_flags
+    from bench_trl import build_parser, lr_schedule_settings
+    from transformers import get_scheduler
+
+    from alignment.args import build_rl_parser
+    from alignment.optim import build_scheduler
+
+    for schedule in ("constant", "cosine"):
+        rl = {**RL, "lr_schedule": schedule}
+        trl = build_parser().parse_args(["--workload", "gsm8k", *trl_flags(rl)])
+        assert (trl.prompts_per_step, trl.group_size, trl.train_batch, trl.max_tokens, trl.min_tokens, trl.temperature, trl.top_p) == (
+            32, 8, 128, 1024, 4, 1.0, 1.0) == (rl["prompts_per_step"], rl["group_size"], rl["train_batch_size"], rl["max_tokens"],
+                                               rl["min_tokens"], rl["temperature"], rl["top_p"])
+        assert (trl.repetition_penalty, trl.learning_rate, trl.lr_schedule, trl.adam_beta2, trl.epsilon, trl.epsilon_high, trl.loss_type,
+                trl.scale_rewards) == (1.0, 2e-6, schedule, 0.95, 0.2, 0.28, "dr_grpo", "none")
+        ours = build_rl_parser().parse_args(train_rl_flags(rl))
+        assert (ours.learning_rate, ours.lr_schedule, ours.warmup_steps) == (2e-6, schedule, 0)
+
+        total = 12  # optimizer steps the run plans (TRL's max_steps)
+        settings = lr_schedule_settings(trl.lr_schedule)
+        trl_optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=trl.learning_rate)
+        trl_scheduler = get_scheduler(settings["lr_scheduler_type"], trl_optimizer, num_warmup_steps=0, num_training_steps=total,
+                                      scheduler_specific_kwargs=settings.get("lr_scheduler_kwargs"))
+        our_optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=ours.learning_rate)
+        our_scheduler = build_scheduler(our_optimizer, ours.warmup_steps, total, ours.lr_schedule)
+        trl_rates, our_rates = [], []
+        for _ in range(total):
+            trl_rates.append(trl_optimizer.param_groups[0]["lr"])
+            our_rates.append(our_optimizer.param_groups[0]["lr"])
+            for optimizer, scheduler in ((trl_optimizer, trl_scheduler), (our_optimizer, our_scheduler)):
+                optimizer.step()
+                scheduler.step()
+        assert trl_rates == pytest.approx(our_rates, rel=1e-9, abs=0)
+        if schedule == "cosine":  # 2e-6 at the first step, down to 10% at the planned end
+            assert our_rates[0] == pytest.approx(2e-6) and our_rates[-1] == pytest.approx(2e-7 + 1.8e-6 * 0.5 * (1 + math.cos(math.pi * 11 / 12)))
+        else:
+            assert set(our_rates) == {2e-6}
+
+    result = subprocess.run([sys.executable, "bench/bench_gsm8k.py", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "out"),
+                             "--lr_schedule", "cosine", "--rl_steps", "30", "--trl_steps", "20"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+    assert result.stderr.strip().startswith("--lr_schedule cosine decays over each run's planned steps: --trl_steps 20 against --rl_steps 30"), result.stderr
 
 
 def test_a_trl_w1_run_keeps_a_gsm8k_runs_steps_log_in_the_same_out(monkeypatch, tmp_path):
