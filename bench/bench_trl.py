@@ -147,6 +147,29 @@ def lr_schedule_settings(schedule: str) -> dict:
     return {"lr_scheduler_type": "constant"}
 
 
+def gsm8k_settings(args, use_vllm: bool) -> tuple[dict, int]:
+    """GRPOConfig's settings for --workload gsm8k, from the flags bench_gsm8k passes (train_rl's settings), and the
+    optimizer steps one generation round makes. ValueError when the batch sizes do not divide."""
+    completions = args.prompts_per_step * args.group_size
+    train_batch = args.train_batch or completions
+    microbatch = min(args.microbatch, train_batch)
+    if completions % train_batch or train_batch % microbatch:
+        raise ValueError(f"--train_batch {train_batch} must divide the {completions} completions per round, and --microbatch {microbatch} it")
+    optimizer_steps_per_round = completions // train_batch
+    stop = {"stop": ["</answer>"], "include_stop_str_in_output": True}  # train_rl's SamplingSettings
+    settings = dict(
+        per_device_train_batch_size=microbatch, gradient_accumulation_steps=train_batch // microbatch, generation_batch_size=completions,
+        num_generations=args.group_size, max_completion_length=args.max_tokens,
+        generation_kwargs={**stop, "min_tokens": args.min_tokens} if use_vllm else None,
+        temperature=args.temperature, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+        beta=0.0, learning_rate=args.learning_rate, **lr_schedule_settings(args.lr_schedule), adam_beta2=args.adam_beta2,
+        epsilon=args.epsilon, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
+        loss_type=args.loss_type, scale_rewards=args.scale_rewards, vllm_importance_sampling_correction=False,
+        save_strategy="steps" if args.save_every else "no", save_steps=(args.save_every or 500) * optimizer_steps_per_round, save_only_model=True,
+    )
+    return settings, optimizer_steps_per_round
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=["w1", "gsm8k"], default="w1")
@@ -188,6 +211,13 @@ def main():
     if args.workload == "gsm8k" and (found := earlier_run(args.out)):
         parser.error(f"--out {args.out} already holds a TRL run ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}); "
                      "its checkpoints would mix with this run's: pass a new --out, or move that folder away")
+    if args.workload == "gsm8k":  # before loading anything
+        if not args.model:
+            parser.error("--workload gsm8k needs --model")
+        try:
+            gsm8k_settings(args, args.device == "cuda")
+        except ValueError as error:
+            parser.error(str(error))
 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -211,28 +241,10 @@ def main():
         from alignment.data import Gsm8kDataset
         from alignment.drgrpo_grader import grade_responses
 
-        if not args.model:
-            parser.error("--workload gsm8k needs --model")
         model = args.model
+        settings, optimizer_steps_per_round = gsm8k_settings(args, use_vllm)
         train = Gsm8kDataset("train", args.data_dir)
         dataset = Dataset.from_dict({"prompt": train.prompts, "ground_truth": train.ground_truths})
-        completions = args.prompts_per_step * args.group_size
-        train_batch = args.train_batch or completions
-        microbatch = min(args.microbatch, train_batch)
-        if completions % train_batch or train_batch % microbatch:
-            parser.error(f"--train_batch {train_batch} must divide the {completions} completions per round, and --microbatch {microbatch} it")
-        optimizer_steps_per_round = completions // train_batch
-        stop = {"stop": ["</answer>"], "include_stop_str_in_output": True}  # train_rl's SamplingSettings
-        settings = dict(
-            per_device_train_batch_size=microbatch, gradient_accumulation_steps=train_batch // microbatch, generation_batch_size=completions,
-            num_generations=args.group_size, max_completion_length=args.max_tokens,
-            generation_kwargs={**stop, "min_tokens": args.min_tokens} if use_vllm else None,
-            temperature=args.temperature, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-            beta=0.0, learning_rate=args.learning_rate, **lr_schedule_settings(args.lr_schedule), adam_beta2=args.adam_beta2,
-            epsilon=args.epsilon, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
-            loss_type=args.loss_type, scale_rewards=args.scale_rewards, vllm_importance_sampling_correction=False,
-            save_strategy="steps" if args.save_every else "no", save_steps=(args.save_every or 500) * optimizer_steps_per_round, save_only_model=True,
-        )
 
         def reward(completions, ground_truth, **_):
             return [score["reward"] for score in grade_responses(completions, ground_truth)]

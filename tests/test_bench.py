@@ -302,6 +302,37 @@ def test_trl_gets_every_recipe_setting_and_the_same_learning_rate_at_every_step(
     assert result.stderr.strip().startswith("--lr_schedule cosine decays over each run's planned steps: --trl_steps 20 against --rl_steps 30"), result.stderr
 
 
+def test_trl_is_configured_as_train_rl_runs_the_recipe(monkeypatch, tmp_path):
+    """The GRPOConfig settings bench_trl builds from bench_gsm8k's flags: 256 completions a generation round in two
+    optimizer steps of 128 (the second one clipped against the sampling policy, as train_rl's), the same stop string kept
+    in the text, no KL, no importance-sampling correction, Dr. GRPO's loss and unscaled advantages, checkpoints every
+    --save_every rollout steps. A batch that does not divide is refused in one line before TRL or the data load."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    from bench_gsm8k import RL, trl_flags
+    from bench_trl import build_parser, gsm8k_settings
+
+    args = build_parser().parse_args(["--workload", "gsm8k", "--model", "m", "--microbatch", "8", "--save_every", "10", *trl_flags(RL)])
+    settings, optimizer_steps_per_round = gsm8k_settings(args, use_vllm=True)
+    assert optimizer_steps_per_round == 2
+    assert settings == {
+        "per_device_train_batch_size": 8, "gradient_accumulation_steps": 16, "generation_batch_size": 256, "num_generations": 8,
+        "max_completion_length": 1024, "generation_kwargs": {"stop": ["</answer>"], "include_stop_str_in_output": True, "min_tokens": 4},
+        "temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0, "beta": 0.0, "learning_rate": 2e-6, "lr_scheduler_type": "constant",
+        "adam_beta2": 0.95, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dr_grpo", "scale_rewards": "none",
+        "vllm_importance_sampling_correction": False, "save_strategy": "steps", "save_steps": 20, "save_only_model": True}
+    # GRPO's own choices, one optimizer step a round, no checkpoints but the last; HF generation (a CPU) takes no vLLM kwargs
+    mean = {**RL, "length_normalization": "mean", "std_normalization": True, "train_batch_size": 256, "cliprange_high": 0.2}
+    args = build_parser().parse_args(["--workload", "gsm8k", "--model", "m", "--microbatch", "32", *trl_flags(mean)])
+    settings, optimizer_steps_per_round = gsm8k_settings(args, use_vllm=False)
+    assert optimizer_steps_per_round == 1 and settings["gradient_accumulation_steps"] == 8 and settings["generation_kwargs"] is None
+    assert (settings["loss_type"], settings["scale_rewards"], settings["epsilon_high"], settings["save_strategy"]) == ("grpo", "group", 0.2, "no")
+
+    result = subprocess.run([sys.executable, "bench/bench_trl.py", "--workload", "gsm8k", "--model", "m", "--out", str(tmp_path / "trl"),
+                             "--train_batch", "100"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and not (tmp_path / "trl").exists()
+    assert result.stderr.strip().splitlines()[-1].endswith("--train_batch 100 must divide the 128 completions per round, and --microbatch 32 it")
+
+
 def test_a_trl_w1_run_keeps_a_gsm8k_runs_steps_log_in_the_same_out(monkeypatch, tmp_path):
     """W1 and GSM8K share bench_trl's default --out: W1 emptied <out>/steps.jsonl, the GSM8K run's log there."""
     monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
