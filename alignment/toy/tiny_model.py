@@ -51,13 +51,17 @@ def train_byte_level_tokenizer(texts, vocab_size: int = 512, whole_tokens=()) ->
 
 
 def tiny_qwen2_config(vocab_size: int, hidden_size: int = 128, num_layers: int = 2, intermediate_size: int = 256, max_position_embeddings: int = 1024, eos_token_id: int = 0) -> Qwen2Config:
+    heads, key_value_heads = hidden_size // 64, max(1, hidden_size // 128)
+    if hidden_size % 64 or heads % key_value_heads:  # e.g. 96 (no 64-dim heads) or 320 (5 heads over 2 key/value heads)
+        raise ValueError(f"hidden_size {hidden_size}: give a multiple of 64 whose head count (hidden_size / 64) is a multiple of "
+                         "hidden_size // 128, such as 64, 128, 256 or 384: heads are 64 wide and share key/value heads")
     return Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=hidden_size // 64,
-        num_key_value_heads=max(1, hidden_size // 128),
+        num_attention_heads=heads,
+        num_key_value_heads=key_value_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         rope_theta=10000.0,
