@@ -168,6 +168,18 @@ def check_distinct_outputs(paths_and_flags) -> None:
         resolved.append((real, flag))
 
 
+def check_start_kept(model, model_flag: str, output, output_flag: str) -> None:
+    """The folder a run saves into is not the model it starts from, nor a folder that holds it: the save swaps the
+    whole folder, so those start weights would be gone and the run could not be repeated. A hub id is left alone."""
+    if not Path(model).exists():
+        return
+    start, real = Path(model).resolve(), Path(output).expanduser().resolve()
+    if real == start or start.is_relative_to(real):
+        relation = "the same folder as" if real == start else "a folder that holds"
+        raise UserError(f"{output_flag} {output} is {relation} {model_flag} {model}, the weights this run starts from: its save would "
+                        f"replace them; pass another {output_flag} (nothing was changed)")
+
+
 def claim_log_folder(folder, flag: str, run_id: str | None = None, resuming: bool = False) -> None:
     """A log folder (TensorBoard events, steps.jsonl, metrics) is new, empty or marked as ours.
 

@@ -26,8 +26,8 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from alignment.args import check_checkpoint, parse_sft_args
-from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_sft_log_folder, check_writable, claim_log_folder,
-                                  read_manifest, real_output_path, record_sft_log_folder, recover_checkpoint, save_model_atomically, start_model_name, unfinished_runs_from)
+from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_sft_log_folder, check_start_kept, check_writable,
+                                  claim_log_folder, read_manifest, real_output_path, record_sft_log_folder, recover_checkpoint, save_model_atomically, start_model_name, unfinished_runs_from)
 from alignment.data import Gsm8kDataset
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
@@ -179,6 +179,7 @@ def main(argv=None) -> dict:
     check_checkpoint(args.model, "--model", "pass a local checkpoint folder or a hub id such as Qwen/Qwen2.5-Math-1.5B")
     run_dir = f"{args.log_dir}/{args.run_name}"
     check_distinct_outputs([(args.checkpoint_path, "--checkpoint_path"), (run_dir, "--log_dir/--run_name")])
+    check_start_kept(args.model, "--model", args.checkpoint_path, "--checkpoint_path")
     check_saved_model(args.model, "SFT cannot start from it; restore it or pass another --model")
     check_model_folder(args.model, "--model")
     check_writable(Path(args.checkpoint_path).parent, "--checkpoint_path", args.checkpoint_path)
