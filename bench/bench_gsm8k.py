@@ -202,7 +202,7 @@ def main():
     parser.add_argument("--rl_minutes", type=float, default=None,
                         help="end each of our RL runs at the step whose training time reaches this many minutes (train_rl --max_train_minutes: "
                              "it still saves and evaluates; engine start and evaluations are not counted), and TRL's the same way")
-    parser.add_argument("--lr_schedule", choices=["constant", "cosine"], default=None,
+    parser.add_argument("--lr_schedule", choices=["constant", "cosine"], default=RL["lr_schedule"],
                         help=f"both trainers' learning-rate schedule (default: the recipe's, {RL['lr_schedule']}); cosine decays to 10%% of the "
                              "peak over each run's planned steps (--rl_steps, --trl_steps: give both the same number)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
@@ -229,7 +229,7 @@ def main():
     args.out, args.data_dir = args.out.resolve(), args.data_dir.resolve()
     args.model = args.model.resolve() if args.model.exists() else args.model
 
-    rl = args.rl = {**(TINY_RL if args.tiny else RL), **({"lr_schedule": args.lr_schedule} if args.lr_schedule else {})}
+    rl = args.rl = {**(TINY_RL if args.tiny else RL), "lr_schedule": args.lr_schedule}
     if rl["lr_schedule"] == "cosine" and args.trl and not args.tiny and args.trl_steps != args.rl_steps and not args.summarize_only:
         raise SystemExit(f"--lr_schedule cosine decays over each run's planned steps: --trl_steps {args.trl_steps} against --rl_steps "
                          f"{args.rl_steps} would give TRL and ours different rates at equal steps: give both the same number, or add --no-trl")

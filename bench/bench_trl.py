@@ -211,11 +211,12 @@ def main():
     if args.workload == "gsm8k" and (found := earlier_run(args.out)):
         parser.error(f"--out {args.out} already holds a TRL run ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}); "
                      "its checkpoints would mix with this run's: pass a new --out, or move that folder away")
-    if args.workload == "gsm8k":  # before loading anything
+    use_vllm = args.device == "cuda"
+    if args.workload == "gsm8k":  # checked before loading anything
         if not args.model:
             parser.error("--workload gsm8k needs --model")
         try:
-            gsm8k_settings(args, args.device == "cuda")
+            settings, optimizer_steps_per_round = gsm8k_settings(args, use_vllm)
         except ValueError as error:
             parser.error(str(error))
 
@@ -223,7 +224,6 @@ def main():
     from trl import GRPOConfig, GRPOTrainer
     from trl.extras import profiling
 
-    use_vllm = args.device == "cuda"
     if args.workload == "w1":
         from alignment.data import format_r1_zero_prompt
 
@@ -242,7 +242,6 @@ def main():
         from alignment.drgrpo_grader import grade_responses
 
         model = args.model
-        settings, optimizer_steps_per_round = gsm8k_settings(args, use_vllm)
         train = Gsm8kDataset("train", args.data_dir)
         dataset = Dataset.from_dict({"prompt": train.prompts, "ground_truth": train.ground_truths})
 
