@@ -317,8 +317,8 @@ def test_trl_is_configured_as_train_rl_runs_the_recipe(monkeypatch, tmp_path):
     assert settings == {
         "per_device_train_batch_size": 8, "gradient_accumulation_steps": 16, "generation_batch_size": 256, "num_generations": 8,
         "max_completion_length": 1024, "generation_kwargs": {"stop": ["</answer>"], "include_stop_str_in_output": True, "min_tokens": 4},
-        "temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0, "beta": 0.0, "learning_rate": 2e-6, "lr_scheduler_type": "constant",
-        "adam_beta2": 0.95, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dr_grpo", "scale_rewards": "none",
+        "temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0, "beta": 0.0, "learning_rate": 2e-6, "lr_scheduler_type": "cosine_with_min_lr",
+        "lr_scheduler_kwargs": {"min_lr_rate": 0.1}, "adam_beta2": 0.95, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dr_grpo", "scale_rewards": "none",
         "vllm_importance_sampling_correction": False, "save_strategy": "steps", "save_steps": 20, "save_only_model": True}
     # GRPO's own choices, one optimizer step a round, no checkpoints but the last; HF generation (a CPU) takes no vLLM kwargs
     mean = {**RL, "length_normalization": "mean", "std_normalization": True, "train_batch_size": 256, "cliprange_high": 0.2}
@@ -935,3 +935,29 @@ def test_gsm8k_stage_past_the_deadline_is_stopped_and_reported_and_a_failed_stag
     assert (tmp_path / "sleeper.log").read_text() == "1\n"  # its output logged, on the lane's GPU
     with pytest.raises(SystemExit, match=re.escape(f"broken failed (exit 3); see {tmp_path / 'broken.log'}")):
         lane.run("broken", [sys.executable, "-c", "raise SystemExit(3)"])
+
+
+def test_the_bench_by_default_runs_the_readme_recipe_and_plans_trl_over_the_same_steps(monkeypatch, tmp_path):
+    """bench_gsm8k with no RL flag runs the README's base-start train_rl command: every run-defining setting the same
+    (cosine over 145 planned steps among them); only paths and the time box (`--rl_minutes`) differ. TRL plans the same 145 rounds with the same schedule, so their rates match at equal steps."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    from bench_gsm8k import build_parser, recipe_settings, rl_command, trl_command
+    from test_args import readme_commands
+
+    from alignment.args import build_rl_parser
+
+    args = build_parser().parse_args(["--model", "m", "--out", str(tmp_path)])
+    args.rl = recipe_settings(args)
+    args.eval_max_tokens, args.eval_num_examples = 1024, None
+    bench = rl_command(args, tmp_path / "m", "rl")
+    bench = build_rl_parser().parse_args(bench[bench.index("alignment.train_rl") + 1:])
+    readme = next(flags for tool, flags in readme_commands() if tool == "train_rl" and "rl_base" in flags)
+    readme = build_rl_parser().parse_args(readme)
+    for parsed in (bench, readme):  # nargs gives a list where the default is a tuple; the evaluations' penalty defaults to the rollouts'
+        parsed.adam_betas = tuple(parsed.adam_betas)
+        parsed.eval_repetition_penalty = parsed.eval_repetition_penalty or parsed.repetition_penalty
+    differ = {key for key, value in vars(readme).items() if vars(bench)[key] != value}
+    assert differ == {"sft_checkpoint_path", "checkpoint_path", "run_name", "log_dir", "data_dir", "max_train_minutes"}
+    assert (bench.lr_schedule, bench.max_steps, bench.learning_rate, bench.rollout_batch_size, bench.group_size) == ("cosine", 145, 2e-6, 32, 8)
+    trl = trl_command(args, tmp_path / "m")
+    assert [trl[trl.index(flag) + 1] for flag in ("--steps", "--lr_schedule", "--learning_rate")] == ["145", "cosine", "2e-06"]
