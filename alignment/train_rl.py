@@ -219,6 +219,15 @@ def build_models(args, base_model_checkpoint_path, state, policy_version: int, r
     return model, sampler, reference_model, speed
 
 
+def cut_decay_note(args, rate: float, planned_steps: int) -> str:
+    """What a time box that ends a cosine run early leaves of its decay: the rate is still above the floor the schedule
+    reaches at its planned last step, so the last iterate trained at a higher rate than the run planned."""
+    if args.lr_schedule != "cosine":
+        return ""
+    return (f", before its cosine decay ends: the rate is {rate:.2g}, {rate / args.learning_rate:.0%} of --learning_rate, where the "
+            f"schedule planned 10% at step {planned_steps} (plan fewer --max_steps for the decay to end inside the box)")
+
+
 def optimizer_and_schedule(args, model, total_steps: int, state: dict | None, say):
     """AdamW and its schedule over every optimizer step of the run; restored from a training state."""
     optimizer = build_optimizer(model, args.learning_rate, args.weight_decay, args.adam_betas)
@@ -342,8 +351,9 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         # evaluates as the last step does (the periodic evaluation below would only evaluate the same weights)
         trained_seconds += time.perf_counter() - step_started
         if args.max_train_minutes and step < total_steps and ranks.any_true(trained_seconds >= 60 * args.max_train_minutes):
-            total_steps = step
-            say(f"--max_train_minutes {args.max_train_minutes:g}: {ranks.max(trained_seconds) / 60:.1f} minutes of training after step {step}; the run ends here")
+            planned, total_steps = total_steps, step
+            say(f"--max_train_minutes {args.max_train_minutes:g}: {ranks.max(trained_seconds) / 60:.1f} minutes of training after step {step}; the run ends here"
+                + cut_decay_note(args, scheduler.get_last_lr()[0], planned))
 
         # 6. periodic evaluation (the last step's runs once its weights are saved, below), then the step's log line
         if args.evaluate_freq and step % args.evaluate_freq == 0 and step < total_steps:

@@ -281,10 +281,14 @@ def test_max_train_minutes_ends_the_run_with_its_save_and_final_evaluation(pipel
     monkeypatch.setattr(train_rl, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
     name = "time_limit"
     train_rl.main(rl_flags(pipeline, name, "--rollout_backend", "hf", "--max_steps", "5", "--evaluate_freq", "1", "--max_train_minutes", "1",
-                           "--entropy_coef", "0.1"))
+                           "--entropy_coef", "0.1", "--lr_schedule", "cosine", "--learning_rate", "1e-3"))
     run_dir = pipeline.root / "runs" / name
     out = capsys.readouterr().out
-    assert "--max_train_minutes 1: 1.2 minutes of training after step 3; the run ends here" in out
+    # the cosine planned over 5 steps is cut at step 3: the rate the last step left, as logged, is said beside the 10% it planned
+    rate = steps_log(pipeline, name)[-1]["train/lr"]
+    assert 1e-4 < rate < 1e-3
+    assert (f"--max_train_minutes 1: 1.2 minutes of training after step 3; the run ends here, before its cosine decay ends: the rate is "
+            f"{rate:.2g}, {rate / 1e-3:.0%} of --learning_rate, where the schedule planned 10% at step 5") in out
     # each step's console line counts toward the run's end: 5 steps, until the limit made step 3 the last
     assert re.findall(r"^step (\d+/\d+) ", out, re.MULTILINE) == ["1/5", "2/5", "3/3"]
     assert [row["step"] for row in steps_log(pipeline, name)] == [1, 2, 3]
