@@ -106,13 +106,23 @@ def test_warmup_and_learning_rate_set_each_steps_rate_and_betas_reach_adamw(task
 
 def test_cosine_schedule_decays_toward_a_tenth_of_the_peak_over_the_runs_steps(task, monkeypatch):
     """--lr_schedule cosine over a 3-step run: step k (from 0) at 0.1 + 0.45 (1 + cos(pi k / 3)) of 1e-3, so the rate
-    reaches a tenth as the planned steps end; the default holds the peak (the seed's constant rate)."""
+    reaches a tenth as the planned steps end; the default holds the peak (the seed's constant rate). With two optimizer
+    steps a rollout step, the decay is planned over the optimizer steps."""
     updates = record_updates(monkeypatch)
     run(task, monkeypatch, "cosine", "--lr_schedule", "cosine", "--learning_rate", "1e-3", "--max_steps", "3")
     assert [update["lr"] for update in updates] == pytest.approx([1e-3, 7.75e-4, 3.25e-4])
     updates.clear()
     run(task, monkeypatch, "constant", "--learning_rate", "1e-3", "--max_steps", "3")
     assert [update["lr"] for update in updates] == pytest.approx([1e-3, 1e-3, 1e-3])
+    # two optimizer steps a rollout step (the GSM8K recipe's two batches of 128, or two passes over the batch): the decay
+    # is planned over the run's 4 optimizer steps, so it is halfway (0.55) after step 1 and at its tenth as step 2 ends
+    for name, flags in (("cosine_two_batches", ("--train_batch_size", "4", "--train_mini_batch_size", "4")),
+                        ("cosine_two_passes", ("--epochs_per_rollout_batch", "2"))):
+        updates.clear()
+        rows = run(task, monkeypatch, name, "--lr_schedule", "cosine", "--learning_rate", "1e-3", *flags)
+        assert [update["totals"]["optimizer_steps"] for update in updates] == [2, 2]
+        assert [update["lr"] for update in updates] == pytest.approx([1e-3, 5.5e-4])
+        assert [row["train/lr"] for row in rows] == pytest.approx([5.5e-4, 1e-4])
 
 def test_train_batch_size_and_microbatches_set_the_steps_and_the_forward_passes(task, monkeypatch):
     """8 rollouts a batch: --train_batch_size 4 gives 2 optimizer steps; --train_mini_batch_size 2 gives 2 microbatches
