@@ -169,8 +169,10 @@ def check_distinct_outputs(paths_and_flags) -> None:
 
 
 def check_start_kept(model, model_flag: str, output, output_flag: str) -> None:
-    """The folder a run saves into is not the model it starts from, nor a folder that holds it: the save swaps the
-    whole folder, so those start weights would be gone and the run could not be repeated. A hub id is left alone."""
+    """The folder a run writes is not the model it starts from, nor a folder that holds it (the save swaps the whole
+    folder: those start weights would be gone), nor a folder inside it (the run's files would change the start, whose
+    fingerprint a --resume or a rerun checks; a folder from elsewhere is fingerprinted file by file). A hub id is
+    left alone."""
     if not Path(model).exists():
         return
     start, real = Path(model).resolve(), Path(output).expanduser().resolve()
@@ -178,6 +180,10 @@ def check_start_kept(model, model_flag: str, output, output_flag: str) -> None:
         relation = "the same folder as" if real == start else "a folder that holds"
         raise UserError(f"{output_flag} {output} is {relation} {model_flag} {model}, the weights this run starts from: its save would "
                         f"replace them; pass another {output_flag} (nothing was changed)")
+    if real.is_relative_to(start):
+        raise UserError(f"{output_flag} {output} is inside {model_flag} {model}, the folder this run starts from: the run's files would "
+                        f"change it, and a --resume or a rerun would no longer find the start it recorded; pass a folder outside it "
+                        f"(nothing was changed)")
 
 
 def claim_log_folder(folder, flag: str, run_id: str | None = None, resuming: bool = False) -> None:
@@ -195,9 +201,9 @@ def claim_log_folder(folder, flag: str, run_id: str | None = None, resuming: boo
     folder = Path(folder)
     marker = folder / LOG_MARKER_NAME
     if folder.exists() and not folder.is_dir():
-        raise UserError(f"{flag} {folder} is a file, not a folder; pass another --log_dir or --run_name (nothing was changed)")
+        raise UserError(f"{flag} {folder} is a file, not a folder; pass another {flag.replace('/', ' or ')} (nothing was changed)")
     if folder.is_dir() and not _is_empty_folder(folder) and not marker.is_file():
-        raise UserError(f"{flag} {folder} holds files this tool did not write; pass another --log_dir or --run_name, or move them away (nothing was changed)")
+        raise UserError(f"{flag} {folder} holds files this tool did not write; pass another {flag.replace('/', ' or ')}, or move them away (nothing was changed)")
     owner = log_folder_run_id(folder)
     earlier = run_logs(folder) if run_id is not None and owner != run_id and not (owner == "" and resuming) else None
     if earlier:

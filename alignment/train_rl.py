@@ -64,7 +64,7 @@ from torch.utils.tensorboard import SummaryWriter
 from alignment import distributed
 from alignment.args import (build_sft_parser, check_checkpoint, check_checkpoint_flags, check_checkpoint_inputs, check_resume_flags, has_weights, model_context_length, parse_rl_args, read_model_config,
                             resolve_speed_flags, run_record)
-from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_writable, claim_log_folder, folder_fingerprint, forget_run_from,
+from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_start_kept, check_writable, claim_log_folder, folder_fingerprint, forget_run_from,
                                   has_training_state, load_training_state, read_manifest, real_output_path, recover_checkpoint, record_run_from, remove_output, save_model_atomically,
                                   save_training_state, start_over, state_step)
 from alignment.data import Gsm8kDataset, data_fingerprint, split_path
@@ -447,6 +447,8 @@ def main(argv=None) -> dict:
     # one folder, one role (symlinks followed), before anything is read or written
     locks = [(path, flag) for path, flag, _ in outputs] + [(run_dir, "--log_dir/--run_name")]
     check_distinct_outputs(locks)
+    for path, flag in locks:  # nor the start: a save there would replace it, files inside it would change it
+        check_start_kept(base_model_checkpoint_path, "--sft_checkpoint_path", path, flag)
     writes = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 alone writes
     # what an interrupted write left is recovered only under the paths' locks, so that no run
     # still writing there (on this host or another) loses its temp folder
@@ -470,6 +472,10 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
         # run removes its training state, so only an interrupted one trains past a checkpoint)
         check_checkpoint(args.checkpoint_path, "--checkpoint_path", f"{start_over(run_dir, args.checkpoint_path)} to train again")
         saved = read_manifest(args.checkpoint_path) or {}
+        if saved.get("kind", "rl_checkpoint") != "rl_checkpoint":  # its evaluation would be reported as this RL run's result
+            raise UserError(f"--checkpoint_path {args.checkpoint_path} holds a {saved['kind']} this tool wrote, not an RL run's checkpoint; "
+                            f"pass an RL run's --checkpoint_path, or evaluate it with `python -m alignment.evaluate --model_path "
+                            f"{args.checkpoint_path}` (nothing was changed)")
         check_checkpoint_flags(saved, args)  # this command's training flags are that run's
         check_checkpoint_inputs(saved, args, *input_fingerprints(args, base_model_checkpoint_path))  # and so are its start and data
         check_saved_model(args.checkpoint_path, f"the checkpoint cannot be evaluated; {start_over(run_dir, args.checkpoint_path)} to train again")

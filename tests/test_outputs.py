@@ -821,6 +821,37 @@ def test_sft_never_saves_over_the_model_it_starts_from(pipeline, tmp_path):
     assert snapshot(start) == before and (tmp_path / "more" / "model.safetensors").is_file()
 
 
+def test_rl_writes_nothing_into_over_or_around_the_folder_it_starts_from(pipeline, tmp_path, capsys):
+    """A start model from elsewhere (no manifest) is fingerprinted file by file, its own outputs included: a run whose
+    --checkpoint_path or --state_dir sat inside it could not be resumed ("holds other files than when the run started")
+    and its rerun was told train_sft had run again. Any output inside, over or holding the start is refused before
+    anything loads; so is a --checkpoint_path holding an SFT checkpoint, whose evaluation was reported as the RL result."""
+    start = tmp_path / "start"
+    shutil.copytree(pipeline.sft, start)
+    before = snapshot(start)
+    for extra, flag, relation in ((("--checkpoint_path", str(start / "rl")), "--checkpoint_path", "inside"),
+                                  (("--state_dir", str(start / "x")), "--state_dir", "inside"),
+                                  (("--log_dir", str(start)), "--log_dir/--run_name", "inside"),
+                                  (("--checkpoint_path", str(start)), "--checkpoint_path", "the same folder as"),
+                                  (("--state_dir", str(tmp_path)), "--state_dir", "a folder that holds")):
+        code, err = train_rl_cli(capsys, flags(pipeline, "inside", "--sft_checkpoint_path", str(start), *extra))
+        assert code == 2 and err.startswith(f"error: {flag} ") and f" is {relation} --sft_checkpoint_path {start}" in err, err
+        assert err.rstrip().endswith("(nothing was changed)") and len(err.strip().splitlines()) == 1, err
+    assert snapshot(start) == before and not (pipeline.root / "runs" / "inside").exists()
+    # beside it, the run trains and its rerun only evaluates, as the seed's rule says
+    for _ in range(2):
+        train_rl.main(flags(pipeline, "beside", "--sft_checkpoint_path", str(start), "--max_steps", "1"))
+    assert snapshot(start) == before and (pipeline.root / "runs" / "beside" / "eval_only_metrics.json").is_file()
+    # an SFT checkpoint of ours at --checkpoint_path is not an RL result to report
+    sft = tmp_path / "sft"
+    train_sft.main(["--model", str(pipeline.sft), "--checkpoint_path", str(sft), "--data_dir", str(pipeline.data), "--max_steps", "1",
+                    "--batch_size", "4", "--microbatch_size", "4", "--eval_num_examples", "0", "--log_dir", str(tmp_path / "runs"), "--run_name", "sft"])
+    code, err = train_rl_cli(capsys, flags(pipeline, "sft_as_rl", "--checkpoint_path", str(sft)))
+    assert (code, err.strip()) == (2, f"error: --checkpoint_path {sft} holds a sft_checkpoint this tool wrote, not an RL run's checkpoint; pass an "
+                                      f"RL run's --checkpoint_path, or evaluate it with `python -m alignment.evaluate --model_path {sft}` (nothing was changed)")
+    assert not (pipeline.root / "runs" / "sft_as_rl").exists()
+
+
 def test_a_users_log_folder_is_refused_and_ours_is_reused(pipeline):
     logs = pipeline.root / "runs" / "users_log"
     logs.mkdir(parents=True)
@@ -828,7 +859,7 @@ def test_a_users_log_folder_is_refused_and_ours_is_reused(pipeline):
     (logs / "final_eval_metrics.json").write_text("{}")
     with pytest.raises(UserError, match=r"--log_dir/--run_name .*runs/users_log holds files this tool did not write; pass another --log_dir or --run_name"):
         train_rl.main(flags(pipeline, "users_log"))
-    with pytest.raises(UserError, match=r"--output_dir .*users_log holds files this tool did not write"):
+    with pytest.raises(UserError, match=r"--output_dir .*users_log holds files this tool did not write; pass another --output_dir, or move them away"):
         evaluate.main(["--model_path", str(pipeline.sft), "--backend", "hf", "--data_dir", str(pipeline.data), "--num_examples", "2",
                        "--max_tokens", "4", "--output_dir", str(logs)])
     assert snapshot(logs) == {"steps.jsonl": b'{"my": "experiment"}\n', "final_eval_metrics.json": b"{}"}
