@@ -123,12 +123,17 @@ def batch_seconds(responses, truths, num_workers: int) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Benchmark alignment/drgrpo_grader.py")
-    parser.add_argument("--out", default="runs/bench/grader.json", help="where the JSON results go")
+    parser.add_argument("--out", default="runs/bench/grader.json", help="where the JSON results go (a folder: its grader.json)")
     parser.add_argument("--data_dir", default=None, help="GSM8K folder (default: $GSM8K_DIR, then data/gsm8k)")
     parser.add_argument("--quick", action="store_true", help="small samples: a few seconds instead of a minute")
     parser.add_argument("--batch_size", type=int, default=2048, help="rollouts per batch in the throughput test")
     parser.add_argument("--num_workers", type=int, default=None, help="worker processes for the batch test (default: CPUs, at most 8)")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.is_dir():  # a folder, as the other benchmarks' --out (runs/bench): the results go into it
+        out = out / "grader.json"
+    if out.parent.exists() and not out.parent.is_dir():
+        raise SystemExit(f"--out {args.out}: {out.parent} is a file, not a folder; pass a .json path or a folder")
     batch_size = 256 if args.quick else args.batch_size
     num_workers = args.num_workers or min(drgrpo_grader._available_cpus(), 8)
     results = {"quick": args.quick, "cpus": drgrpo_grader._available_cpus(), "num_workers": num_workers}
@@ -195,7 +200,6 @@ def main(argv=None) -> None:
         )
     results["load_average_1min_after"] = round(os.getloadavg()[0], 2)
     print(f"load average (1 min) before {results['load_average_1min_before']}, after {results['load_average_1min_after']}")
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")

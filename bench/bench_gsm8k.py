@@ -146,7 +146,9 @@ class Lane:
         evaluated with the others), then SIGKILL a minute later. Any other failure stops the benchmark."""
         started = time.perf_counter()
         print(f"[{self.name}] {stage}: {' '.join(command)}", flush=True)
-        with open(self.out / f"{stage}.log", "w") as log:
+        with open(self.out / f"{stage}.log", "a") as log:  # an earlier call's log of this stage stays above this one's
+            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
+            log.flush()
             process = subprocess.Popen(command, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
             try:
                 code = process.wait(timeout=None if deadline is None else max(deadline - time.time(), 1))
@@ -416,7 +418,10 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     if not sep or not name.replace("-", "").replace("_", "").replace(".", "").isalnum() or taken:
         raise SystemExit(f"--variant {text!r}: expected NAME=FLAGS with NAME of letters, digits, '-', '_', '.' "
                          "(not rl, sft, trl, runs, caches, eval_base, eval_sft or eval_trl...: the benchmark's own folders)")
-    return name, shlex.split(flags)
+    try:
+        return name, shlex.split(flags)
+    except ValueError as error:  # an unclosed quote
+        raise SystemExit(f"--variant {text!r}: its flags do not split as a shell would ({error}); close the quote") from None
 
 
 def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "rl", trl_dir: str = "trl", variant_runs=()) -> dict:

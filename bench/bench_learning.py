@@ -27,6 +27,8 @@ from common import REPO_ROOT
 
 from alignment.toy.demo import CONFIG
 
+MARKER = "bench_learning.json"  # in --out: the folder is this benchmark's (older calls' folders hold sft.json)
+
 # name -> the flags that differ from the demo's RL flags
 VARIANTS = {
     "lr1e-5_fp32_master": ["--learning_rate", "1e-5"],
@@ -65,7 +67,12 @@ def main():
     if (out / "sft" / "config.json").is_file() and made != {**(made or {}), "seed": args.seed, "sft_flags": args.sft_flags}:
         raise SystemExit(f"--out {out}: its SFT checkpoint was made with {made and {k: made[k] for k in ('seed', 'sft_flags')} or 'settings it does not record'}, "
                          f"this call asks for --seed {args.seed} --sft_flags {args.sft_flags!r} (its data and base model too): pass a new --out")
+    # its data and base model are written afresh into <out>/data and <out>/base: never over a folder of the user's
+    if out.is_dir() and (held := sorted(path.name for path in out.iterdir())) and not any((out / name).is_file() for name in (MARKER, "sft.json")):
+        raise SystemExit(f"--out {out} holds files this benchmark did not write ({', '.join(held[:3])}{' ...' if len(held) > 3 else ''}); "
+                         "its synthetic data and tiny base model would replace any there: pass a new or empty --out (nothing was changed)")
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text(json.dumps({"written_by": "bench/bench_learning.py"}) + "\n")
     env = dict(os.environ)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""

@@ -578,7 +578,8 @@ def test_gsm8k_summary_of_a_moved_out_keeps_its_sft_and_a_wrong_out_is_one_line(
 
 
 def test_grader_bench_quick_run_measures_every_section(tmp_path):
-    run_bench("bench_grader.py", tmp_path / "grader.json", "--quick")
+    """An --out folder, as the other benchmarks take (it ended in a traceback once the benchmark had run): its grader.json."""
+    run_bench("bench_grader.py", tmp_path, "--quick")
     result = json.loads((tmp_path / "grader.json").read_text())
     assert result["quick"] and result["gsm8k_gold"]["calls"] == result["gsm8k_off_by_one"]["calls"] > 0
     assert len(result["hostile"]["per_input_ms"]) >= 15 and result["hostile"]["worst_input"] in result["hostile"]["per_input_ms"]
@@ -687,7 +688,8 @@ def test_trl_stopped_by_the_deadline_ends_after_its_round_and_saves_it(monkeypat
 
 def test_bench_learning_refuses_to_report_an_earlier_calls_runs_as_its_own(tmp_path):
     """bench_learning into an --out that held a variant's run: train_rl only evaluated that checkpoint, so the row came
-    out empty and replaced learning.json with exit 0; another --seed reused the other seed's SFT checkpoint."""
+    out empty and replaced learning.json with exit 0; another --seed reused the other seed's SFT checkpoint. An --out
+    of the user's had its data and model files replaced."""
     def refused(*flags):
         result = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "bench_learning.py"), "--out", str(tmp_path), "--device", "cpu", *flags],
                                 cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
@@ -705,6 +707,18 @@ def test_bench_learning_refuses_to_report_an_earlier_calls_runs_as_its_own(tmp_p
         f"--out {tmp_path}: its SFT checkpoint was made with {{'seed': 0, 'sft_flags': '--no-fp32_master_weights'}}, this call asks for "
         f"--seed 1 --sft_flags '--no-fp32_master_weights' (its data and base model too): pass a new --out")
     assert not (tmp_path / "data").exists() and not (tmp_path / "learning.json").exists()  # refused before any work
+    # a folder of the user's: its data and model were replaced by the synthetic task's and a random model's
+    user = tmp_path / "experiment"
+    (user / "data").mkdir(parents=True)
+    (user / "data" / "train.jsonl").write_text('{"question": "mine", "answer": "#### 1"}\n')
+    (user / "notes.txt").write_text("notes")
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "bench_learning.py"), "--out", str(user), "--device", "cpu", "--variants", "demo"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
+        f"--out {user} holds files this benchmark did not write (data, notes.txt); its synthetic data and tiny base model would "
+        "replace any there: pass a new or empty --out (nothing was changed)"), result.stderr[-2000:]
+    assert sorted(path.name for path in user.rglob("*")) == ["data", "notes.txt", "train.jsonl"]
+    assert (user / "data" / "train.jsonl").read_text() == '{"question": "mine", "answer": "#### 1"}\n'
 
 
 def test_gsm8k_summary_again_keeps_the_base_evaluation_of_the_model_the_runs_had(tmp_path):
@@ -890,7 +904,7 @@ def test_gsm8k_no_sft_eval_keeps_the_run_an_earlier_call_named_for_sfts_evaluati
 
 def test_gsm8k_refuses_flag_combinations_and_starts_that_it_cannot_run_before_any_stage(monkeypatch, tmp_path):
     """Each refusal stops main before any stage runs: --no-base_eval with the default start (the curves start from
-    that evaluation), no RL run at all, a variant named as one of the benchmark's own stages or folders, and a default-start call into an
+    that evaluation), no RL run at all, a variant named as one of the benchmark's own stages or folders or with an unclosed quote, and a default-start call into an
     --out whose runs started from SFT (refused before the base evaluation, not after it). An SFT checkpoint of another
     model in --out is no reason to refuse the default start, which never uses it."""
     out = tmp_path / "out"
@@ -900,7 +914,10 @@ def test_gsm8k_refuses_flag_combinations_and_starts_that_it_cannot_run_before_an
                            # its checkpoint would be the base evaluation's folder, the logs' folder, a TRL evaluation's
                            (["--variant", "eval_base=--seed 1"], "--variant 'eval_base=--seed 1': expected NAME=FLAGS"),
                            (["--variant", "runs=--seed 1"], "--variant 'runs=--seed 1': expected NAME=FLAGS"),
-                           (["--variant", "eval_trl_10=--seed 1"], "--variant 'eval_trl_10=--seed 1': expected NAME=FLAGS")):
+                           (["--variant", "eval_trl_10=--seed 1"], "--variant 'eval_trl_10=--seed 1': expected NAME=FLAGS"),
+                           # an unclosed quote was a traceback from shlex
+                           (["--variant", "x=--run_name 'a"], "--variant \"x=--run_name 'a\": its flags do not split as a shell would "
+                                                               "(No closing quotation); close the quote")):
         with pytest.raises(SystemExit, match=re.escape(message)):
             _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, {"eval_base": 0.5}, *flags)
         assert not out.exists()
@@ -932,9 +949,15 @@ def test_gsm8k_stage_past_the_deadline_is_stopped_and_reported_and_a_failed_stag
     started = time.perf_counter()
     minutes = lane.run("sleeper", [sys.executable, "-c", "import os, time; print(os.environ['CUDA_VISIBLE_DEVICES']); time.sleep(60)"], deadline=time.time() + 2)
     assert minutes * 60 == pytest.approx(time.perf_counter() - started, abs=0.5) and minutes < 0.5
-    assert (tmp_path / "sleeper.log").read_text() == "1\n"  # its output logged, on the lane's GPU
-    with pytest.raises(SystemExit, match=re.escape(f"broken failed (exit 3); see {tmp_path / 'broken.log'}")):
-        lane.run("broken", [sys.executable, "-c", "raise SystemExit(3)"])
+    header, output = (tmp_path / "sleeper.log").read_text().splitlines()
+    assert header.startswith("=== ") and header.endswith(" -c import os, time; print(os.environ['CUDA_VISIBLE_DEVICES']); time.sleep(60)")
+    assert output == "1"  # its output logged, on the lane's GPU
+    # a stage run again (a second call into the same --out) adds its log below the first one's, which was emptied before
+    for _ in range(2):
+        with pytest.raises(SystemExit, match=re.escape(f"broken failed (exit 3); see {tmp_path / 'broken.log'}")):
+            lane.run("broken", [sys.executable, "-c", "print('why'); raise SystemExit(3)"])
+    assert [line.startswith("=== ") for line in (tmp_path / "broken.log").read_text().splitlines()] == [True, False, True, False]
+    assert (tmp_path / "broken.log").read_text().count("why\n") == 2
 
 
 def test_the_bench_by_default_runs_the_readme_recipe_and_plans_trl_over_the_same_steps(monkeypatch, tmp_path):
