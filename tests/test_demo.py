@@ -175,7 +175,9 @@ def test_shrunken_demo_writes_the_summary_and_sft_beats_the_base(tmp_path, capsy
 
 def test_the_demos_counts_and_seed_are_checked_before_anything_is_cleared(tmp_path, capsys):
     """--num_train -5 wrote 10 problems, --num_test -10 an empty test file (then advice to re-download GSM8K), 0 steps or
-    epochs fell back to the defaults, and --seed -1 failed after the last demo's results had been cleared."""
+    epochs fell back to the defaults, and --seed -1 failed after the last demo's results had been cleared; so did an
+    --rl_extra flag train_rl does not take, after the base evaluation and the whole SFT stage."""
+    from alignment.errors import UserError
     from alignment.toy import demo
 
     for flag, value in (("--num_train", "-5"), ("--num_test", "-10"), ("--rl_steps", "0"), ("--sft_epochs", "0"), ("--seed", "-1")):
@@ -183,6 +185,17 @@ def test_the_demos_counts_and_seed_are_checked_before_anything_is_cleared(tmp_pa
             demo.main(["--out", str(tmp_path / "runs"), "--checkpoints", str(tmp_path / "ck"), flag, value])
         assert refused.value.code == 2 and f"argument {flag}: must be" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "ck").exists()
+    # so are the RL flags with --rl_extra's: a misspelt one failed after SFT, the earlier demo's results cleared
+    (tmp_path / "runs").mkdir()
+    for folder in (tmp_path / "runs", tmp_path / "ck"):
+        folder.mkdir(exist_ok=True)
+        (folder / demo.DEMO_MARKER).write_text("earlier demo\n")
+    (tmp_path / "runs" / "summary.json").write_text('{"rl_accuracy": 0.8}')
+    for extra, message in (("--bogus_flag 1", "train_rl has no flag --bogus_flag;"),
+                           ("--loss_type nope", "train_rl refuses it (argument --loss_type: invalid choice: 'nope'")):
+        with pytest.raises(UserError, match=re.escape(f"--rl_extra {extra!r}: {message}")):
+            demo.main(["--out", str(tmp_path / "runs"), "--checkpoints", str(tmp_path / "ck"), "--backend", "hf", f"--rl_extra={extra}"])
+    assert (tmp_path / "runs" / "summary.json").read_text() == '{"rl_accuracy": 0.8}' and not (tmp_path / "runs" / "data").exists()
 
 
 WORKED_STEP = re.compile(r"On (\w+) (\w+) (?:gets (\d+) more|gives away (\d+)): (\d+) ([+-]) (\d+) = <<(\d+)([+-])(\d+)=(\d+)>>(\d+)$")

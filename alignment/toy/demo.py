@@ -196,6 +196,23 @@ def clear_earlier_run(out: Path, checkpoints: Path) -> None:
             (out / name).unlink(missing_ok=True)
 
 
+def check_rl_extra(rl_flags: list[str], rl_extra: str) -> None:
+    """train_rl's parser takes the RL stage's flags with --rl_extra's, or the demo stops here: a misspelt flag or a bad
+    value ended the run after the base evaluation and the whole SFT stage, with the earlier demo's results cleared."""
+    from alignment.args import build_rl_parser
+
+    parser = build_rl_parser()
+    parser.exit_on_error = False
+    try:
+        _, unknown = parser.parse_known_args(rl_flags)
+    except argparse.ArgumentError as error:
+        raise UserError(f"--rl_extra {rl_extra!r}: train_rl refuses it ({error}); fix it (nothing was changed)") from None
+    if unknown:
+        raise UserError(f"--rl_extra {rl_extra!r}: train_rl has no flag {' '.join(word for word in unknown if word.startswith('-')) or unknown[0]}; "
+                        "see `python -m alignment.train_rl --help` "
+                        "(nothing was changed)")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m alignment.toy.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/demo", help="folder for summary.json, logs and TensorBoard events")
@@ -217,15 +234,21 @@ def main(argv=None) -> dict:
 
     started = time.perf_counter()
     out, checkpoints = Path(args.out), Path(args.checkpoints)
+    backend = ("vllm" if vllm_available() else "hf") if args.backend == "auto" else args.backend
+    common = ["--data_dir", str(out / "data"), "--seed", str(args.seed)]
+    rl_flags = [
+        "--sft_checkpoint_path", str(checkpoints / "sft"), "--checkpoint_path", str(checkpoints / "rl"), "--log_dir", str(out), "--run_name", "rl",
+        "--layout", "auto", "--rollout_backend", backend, "--vllm_kv_cache_gb", "0.5", *CONFIG["rl"], *common,
+        *(["--max_steps", str(args.rl_steps)] if args.rl_steps else []), *args.rl_extra.split(),
+    ]
+    check_rl_extra(rl_flags, args.rl_extra)  # before the earlier run's results are cleared, not after SFT
     claim_demo_folders(out, checkpoints)
     clear_earlier_run(out, checkpoints)
-    backend = ("vllm" if vllm_available() else "hf") if args.backend == "auto" else args.backend
     task = {**CONFIG["task"], **{key: value for key, value in (("num_train", args.num_train), ("num_test", args.num_test)) if value}}
     data = write_synthetic_gsm8k(out / "data", seed=args.seed, **task)
     base = build_tiny_checkpoint(checkpoints / "base", texts=tokenizer_corpus(data), seed=args.seed, whole_tokens=r1_zero_whole_tokens(), **CONFIG["model"])
     print(f"task: {task['num_train']} train / {task['num_test']} test problems in {data}; base model in {base}; rollouts {backend}")
 
-    common = ["--data_dir", str(data), "--seed", str(args.seed)]
     seconds = {}
 
     def evaluate(name, path):
@@ -239,13 +262,6 @@ def main(argv=None) -> dict:
         sft_flags += ["--num_epochs", str(args.sft_epochs)]
     seconds["train_sft"] = _run("train_sft", "alignment.train_sft", sft_flags, out)
     sft_metrics = evaluate("sft", checkpoints / "sft")
-    rl_flags = [
-        "--sft_checkpoint_path", str(checkpoints / "sft"), "--checkpoint_path", str(checkpoints / "rl"), "--log_dir", str(out), "--run_name", "rl",
-        "--layout", "auto", "--rollout_backend", backend, "--vllm_kv_cache_gb", "0.5", *CONFIG["rl"], *common,
-    ]
-    if args.rl_steps:
-        rl_flags += ["--max_steps", str(args.rl_steps)]
-    rl_flags += args.rl_extra.split()
     seconds["train_rl"] = _run("train_rl", "alignment.train_rl", rl_flags, out)
     rl_metrics = evaluate("rl", checkpoints / "rl")
 
