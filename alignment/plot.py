@@ -29,14 +29,16 @@ IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg")
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Rows of a jsonl file; a line cut short by a crash is skipped."""
+    """Rows of a jsonl file; a line cut short by a crash, or one that is not an object, is skipped."""
     rows = []
     if path.is_file():
         for line in path.read_text(errors="replace").splitlines():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except ValueError:
                 continue
+            if isinstance(row, dict):
+                rows.append(row)
     return rows
 
 
@@ -72,8 +74,9 @@ def _is_results_file(path: Path) -> bool:
     return path.suffix == ".json" and not path.is_dir()
 
 
-def _results_runs(path: Path, name: str | None) -> list[tuple[str, str, list, list]]:
-    """(label, longer label, steps, evals) of the runs in a benchmark's results file, or of its run `name`."""
+def _results_runs(path: Path, name: str | None, file_label: str) -> list[tuple[str, str, list, list]]:
+    """(label, longer label, steps, evals) of the runs in a benchmark's results file, or of its run `name`; the longer
+    label names the file by `file_label` (results_file_labels)."""
     try:
         runs = json.loads(path.read_text()).get("runs")
     except (OSError, ValueError, AttributeError) as error:
@@ -82,7 +85,16 @@ def _results_runs(path: Path, name: str | None) -> list[tuple[str, str, list, li
         raise UserError(f'{path} holds no runs with steps (a results file keeps them as "runs": {{name: {{"steps": [...], "evals": [...]}}}}); pass a train_rl run folder instead')
     if name is not None and name not in runs:
         raise UserError(f"{path} has no run {name!r}; its runs: {', '.join(runs)}")
-    return [(run_name, f"{path.stem}/{run_name}", run["steps"], run.get("evals") or []) for run_name, run in runs.items() if name in (None, run_name)]
+    return [(run_name, f"{file_label}/{run_name}", run["steps"], run.get("evals") or []) for run_name, run in runs.items() if name in (None, run_name)]
+
+
+def results_file_labels(paths: list[Path]) -> dict[str, str]:
+    """Each results file's name without .json, or, where two files of one name are given (a/summary.json,
+    b/summary.json), as many parent folders as tell them apart."""
+    paths = list(dict.fromkeys(map(Path, paths)))
+    stems = [path.stem for path in paths]
+    longer = distinct_suffixes([path.with_suffix("") for path in paths])
+    return {str(path): stem if stems.count(stem) == 1 else suffix for path, stem, suffix in zip(paths, stems, longer)}
 
 
 def distinct_suffixes(paths: list[Path]) -> list[str]:
@@ -105,10 +117,11 @@ def load_runs(sources) -> list[tuple[str, list, list]]:
     runs = []
     folders = [path for path, _ in map(_split_source, sources) if not _is_results_file(path)]
     longer = dict(zip(map(str, folders), distinct_suffixes(folders)))
+    files = results_file_labels([path for path, _ in map(_split_source, sources) if _is_results_file(path)])
     for source in sources:
         path, name = _split_source(source)
         if _is_results_file(path):
-            runs += _results_runs(path, name)
+            runs += _results_runs(path, name, files[str(path)])
         else:
             runs.append((path.name, longer[str(path)], _steps_of(path), read_jsonl(path / "evals.jsonl")))
     names = [label for label, *_ in runs]
@@ -209,10 +222,11 @@ def comparison_path(sources) -> Path:
     folders = [path for path, _ in split if not _is_results_file(path)]
     short = [path.name for path in folders]
     longer = dict(zip(map(str, folders), distinct_suffixes(folders)))
+    files = results_file_labels([path for path, _ in split if _is_results_file(path)])
     names = []
     for path, name in split:
         if _is_results_file(path):
-            names.append(path.stem + (f"_{name}" if name else ""))
+            names.append(files[str(path)].replace("/", "_") + (f"_{name}" if name else ""))
         else:
             names.append(path.name if short.count(path.name) == 1 else longer[str(path)].replace("/", "_"))
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", "_vs_".join(names))

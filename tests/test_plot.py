@@ -100,6 +100,18 @@ def test_runs_come_from_folders_and_from_a_benchmarks_results_file(tmp_path, mon
     (tmp_path / "torn.json").write_text('{"runs": {"a"')
     with pytest.raises(UserError, match="torn.json is not a results file that can be read"):
         main([str(tmp_path / "torn.json")])
+    # results files of one name in other folders: labelled and named by the folders that tell them apart (both were
+    # "summary_results/ours", and a vs c replaced a vs b's figure)
+    for where, reward in (("a", 0.1), ("b", 0.2), ("c", 0.3)):
+        (tmp_path / where).mkdir()
+        (tmp_path / where / "summary_results.json").write_text(json.dumps({"runs": {"ours": {"steps": steps(reward), "evals": []}}}))
+    pair = [str(tmp_path / "a" / "summary_results.json"), str(tmp_path / "b" / "summary_results.json")]
+    assert [label for label, *_ in load_runs(pair)] == ["a/summary_results/ours", "b/summary_results/ours"]
+    assert main(pair) == Path("runs") / "compare_a_summary_results_vs_b_summary_results.png"
+    assert main([pair[0], str(tmp_path / "c" / "summary_results.json")]) == Path("runs") / "compare_a_summary_results_vs_c_summary_results.png"
+    # a steps.jsonl row that is not an object is skipped as a torn line is
+    (folder / "steps.jsonl").write_text("[1, 2]\n" + "".join(json.dumps(row) + "\n" for row in steps(0.9)))
+    assert load_runs([folder])[0][1] == steps(0.9)
 
 
 def test_bench_runs_of_one_name_get_their_own_comparison_and_labels(tmp_path):
