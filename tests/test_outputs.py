@@ -805,7 +805,7 @@ def test_two_roles_on_one_folder_are_refused_before_anything_loads(pipeline):
 def test_sft_never_saves_over_the_model_it_starts_from(pipeline, tmp_path):
     """`train_sft --model X --checkpoint_path X`, X an SFT checkpoint of ours (a copy-pasted path, or "train it a little
     more"): the run trained and its save replaced the weights it started from, so neither the start nor the run could be
-    had again. Refused before anything loads, as is a --checkpoint_path that holds the --model folder."""
+    had again. Refused before anything loads, as is a --checkpoint_path that holds the --model folder or sits inside it."""
     start = tmp_path / "models" / "sft"
     common = ["--data_dir", str(pipeline.data), "--num_epochs", "1", "--batch_size", "8", "--microbatch_size", "8", "--eval_num_examples", "0",
               "--log_dir", str(tmp_path / "runs")]
@@ -815,6 +815,9 @@ def test_sft_never_saves_over_the_model_it_starts_from(pipeline, tmp_path):
         with pytest.raises(UserError, match=rf"^--checkpoint_path {re.escape(str(output))} is {relation} --model {re.escape(str(start))}, the weights "
                                             r"this run starts from: its save would replace them; pass another --checkpoint_path \(nothing was changed\)$"):
             train_sft.main(["--model", str(start), "--checkpoint_path", str(output), "--run_name", "again", *common])
+    with pytest.raises(UserError, match=rf"^--checkpoint_path {re.escape(str(start / 'more'))} is inside --model {re.escape(str(start))}, the folder "
+                                        r"this run starts from: the run's files would change it"):
+        train_sft.main(["--model", str(start), "--checkpoint_path", str(start / "more"), "--run_name", "again", *common])
     assert snapshot(start) == before and not (tmp_path / "runs" / "again").exists()
     # a new folder is fine: the start stays as it was
     train_sft.main(["--model", str(start), "--checkpoint_path", str(tmp_path / "more"), "--run_name", "more", *common])
