@@ -294,6 +294,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         log.evaluation(0, evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, 0)[0], args.num_logged_rollouts)
 
     saved_to = args.checkpoint_path  # where the last save went (save_policy diverts one that --checkpoint_path no longer takes)
+    saved_step = None  # the step this process last saved the policy at
     for step in range(progress["step"] + 1, total_steps + 1):
         progress["step"], step_started, timings = step, time.perf_counter(), dict.fromkeys(STEP_TIMINGS, 0.0)
         prompts, truths = (rank_slice(items, ranks) for items in rollout_batch(dataset, step, steps_per_epoch, args.rollout_batch_size, args.seed))  # whole prompts per rank
@@ -370,7 +371,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         # 7. save: the policy after each pass over the data (seed), a training state every
         # --save_state_every steps and when a signal asks to stop
         if step % steps_per_epoch == 0:
-            saved_to = save_policy(ranks, model, tokenizer, args.checkpoint_path, step, total_steps, run)
+            saved_to, saved_step = save_policy(ranks, model, tokenizer, args.checkpoint_path, step, total_steps, run), step
             say(f"epoch {step // steps_per_epoch - 1} done: saved policy to {saved_to}")
         stopping = ranks.any_true(stop.received is not None)
         if stopping and step == total_steps:  # trained to its end: saved below as any finished run, only the final evaluation is skipped
@@ -386,7 +387,9 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
 
     # the final weights are saved before the final evaluation: a run that has trained keeps them whatever
     # happens during the evaluation (minutes on GSM8K; a scheduler's SIGKILL after its grace period)
-    if total_steps % steps_per_epoch:  # stopped mid-epoch (--max_steps); at an epoch's end step 7 saved them
+    # unless step 7 saved them at the run's last step: stopped mid-epoch (--max_steps), or resumed from a state of
+    # the last step, whose loop ran no step (the checkpoint may be gone, or --checkpoint_path another folder now)
+    if saved_step != total_steps:
         saved_to = save_policy(ranks, model, tokenizer, args.checkpoint_path, total_steps, total_steps, run)
         say(f"saved RL checkpoint to {saved_to}")
     if stopping:  # a signal in the last step: the run's result is kept, its state no longer needed

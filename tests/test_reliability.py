@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from alignment import train_rl
-from alignment.checkpoint import has_training_state, recover_checkpoint, save_model_atomically
+from alignment.checkpoint import has_training_state, read_manifest, recover_checkpoint, save_model_atomically
 from alignment.errors import UserError
 from conftest import REPO_ROOT, kill_train_rl_after_saved_state, make_tiny_task, run_train_rl, steps_log, train_rl_flags
 
@@ -310,6 +310,23 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(pipeline):
     # and the seed's rule holds: the finished checkpoint is only evaluated now
     train_rl.main(flags(pipeline, "cut", "--resume"))
     assert json.loads((pipeline.root / "runs" / "cut" / "eval_only_metrics.json").read_text())["num_examples"] == 4
+
+
+@pytest.mark.slow
+def test_a_resume_from_the_last_steps_state_saves_the_policy_before_it_drops_the_state(pipeline):
+    """Killed after the last step's training state was saved (its final evaluation cut short), then resumed with another
+    --checkpoint_path: no step was left to run, so no save ran either (the epoch's save belonged to the killed process),
+    and the run ended with exit 0, its training state removed and nothing at --checkpoint_path: the trained weights lost."""
+    epoch = ("--num_train_examples", "8", "--num_epochs", "1", "--max_steps", "2", "--save_state_every", "1")  # 2 steps an epoch
+    kill_train_rl_after_saved_state(flags(pipeline, "last", *epoch), step=2, reward="parity_reward")
+    state_dir = pipeline.root / "last" / "rl.state"
+    assert has_training_state(state_dir)
+    trained = weights(state_dir / "policy")
+    moved = pipeline.root / "last" / "rl_moved"
+    run_train_rl(flags(pipeline, "last", *epoch, "--resume", "--checkpoint_path", str(moved), "--state_dir", str(state_dir)), reward="parity_reward")
+    assert not state_dir.exists() and all(torch.equal(weights(moved)[k], trained[k]) for k in trained)
+    assert read_manifest(moved)["run"]["flags"]["checkpoint_path"] == str(moved)
+    assert json.loads((pipeline.root / "runs" / "last" / "final_eval_metrics.json").read_text())["step"] == 2
 
 
 def test_non_finite_steps_stop_the_run_and_keep_the_last_good_state(pipeline, monkeypatch):
