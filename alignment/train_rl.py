@@ -65,8 +65,8 @@ from alignment import distributed
 from alignment.args import (build_sft_parser, check_checkpoint, check_checkpoint_flags, check_checkpoint_inputs, check_resume_flags, has_weights, model_context_length, parse_rl_args, read_model_config,
                             resolve_speed_flags, run_record)
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_start_kept, check_writable, claim_log_folder, folder_fingerprint, forget_run_from,
-                                  has_training_state, load_training_state, read_manifest, real_output_path, recover_checkpoint, record_run_from, remove_output, save_model_atomically,
-                                  save_training_state, start_over, state_step)
+                                  has_training_state, load_training_state, read_manifest, real_output_path, recover_checkpoint, record_run_from, remove_output, same_path,
+                                  save_model_atomically, save_training_state, start_over, state_step)
 from alignment.data import Gsm8kDataset, data_fingerprint, split_path
 from alignment.devices import format_role_table, one_device_roles, resolve_dtype, resolve_role_devices
 from alignment.distributed import check_fsdp_sizes, rank_slice, reduce_reward_meta, reduce_totals, save_policy
@@ -425,6 +425,19 @@ def resume_hint(args) -> str:
             f"({run_dir} keeps this run's logs), or after removing {run_dir}")
 
 
+def check_not_a_copy_of_the_runs_state(state_dir, saved_run: dict) -> None:
+    """A resume writes its states into --state_dir and removes it when the run ends: a copy of the run's state (a
+    snapshot kept to branch from) would be replaced, then removed, while the state it was copied from stays as the
+    same run's. A state moved to --state_dir resumes as any other."""
+    recorded = (saved_run.get("flags") or {}).get("state_dir")
+    if not recorded or same_path(recorded, state_dir) or not has_training_state(recorded):
+        return
+    if ((read_manifest(recorded) or {}).get("run") or {}).get("run_id") == saved_run.get("run_id"):
+        raise UserError(f"--state_dir {state_dir} is a copy of this run's training state in {recorded} (step {state_step(recorded)} there): "
+                        f"a resume writes its states into --state_dir and removes it when the run ends, so the copy would be gone; "
+                        f"resume from {recorded}, or move that state away first to continue from the copy (nothing was changed)")
+
+
 def input_fingerprints(args, start) -> tuple[str | None, str | None]:
     """The start checkpoint's and train.jsonl's fingerprints as they are now (None for one that is not there)."""
     start_sha256 = folder_fingerprint(start) if has_weights(start) else None
@@ -513,6 +526,7 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
         print(f"--resume: no training state in {args.state_dir}; starting from the SFT checkpoint")
     if args.resume and has_training_state(args.state_dir):
         saved = read_manifest(args.state_dir).get("run", {})
+        check_not_a_copy_of_the_runs_state(args.state_dir, saved)
         # --checkpoint_path may change on resume, but never onto another run's result: the save would replace it
         held = ((read_manifest(args.checkpoint_path) or {}).get("run") or {}).get("run_id") if has_weights(args.checkpoint_path) else None
         if held and held != saved.get("run_id"):

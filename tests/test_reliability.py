@@ -329,6 +329,24 @@ def test_a_resume_from_the_last_steps_state_saves_the_policy_before_it_drops_the
     assert json.loads((pipeline.root / "runs" / "last" / "final_eval_metrics.json").read_text())["step"] == 2
 
 
+@pytest.mark.slow
+def test_a_copy_of_a_runs_training_state_is_not_resumed_over(pipeline):
+    """A state copied aside (a snapshot to branch from) and resumed with --state_dir <copy>: the resume wrote its
+    states over the copy and removed it at the end, while the original stayed as the same run's. Refused, both kept;
+    moved instead of copied, the state resumes."""
+    kill_train_rl_after_saved_state(flags(pipeline, "branch", "--save_state_every", "1"), step=2, reward="parity_reward")
+    state_dir, copy = pipeline.root / "branch" / "rl.state", pipeline.root / "snapshots" / "step2"
+    shutil.copytree(state_dir, copy)
+    before = {path: sorted(p.name for p in path.rglob("*")) for path in (state_dir, copy)}
+    with pytest.raises(UserError, match=rf"^--state_dir {re.escape(str(copy))} is a copy of this run's training state in .*rl.state \(step 2 there\): "
+                                        r"a resume writes its states into --state_dir and removes it when the run ends"):
+        train_rl.main(flags(pipeline, "branch", "--save_state_every", "1", "--resume", "--state_dir", str(copy), "--learning_rate", "2e-3"))
+    assert {path: sorted(p.name for p in path.rglob("*")) for path in (state_dir, copy)} == before
+    shutil.rmtree(state_dir)  # moved, not copied: the run continues from it
+    run_train_rl(flags(pipeline, "branch", "--save_state_every", "1", "--resume", "--state_dir", str(copy)), reward="parity_reward")
+    assert [row["step"] for row in steps_log(pipeline, "branch")] == [1, 2, 3, 4] and not copy.exists()
+
+
 def test_non_finite_steps_stop_the_run_and_keep_the_last_good_state(pipeline, monkeypatch):
     from alignment import policy_update
 
