@@ -214,7 +214,7 @@ def check_eval_only_folder(run_dir, checkpoint_path, setup: dict) -> None:
                         f"{checkpoint_path} (nothing was changed)")
     check_same_copy(recorded, checkpoint_path, f"--log_dir/--run_name {run_dir} ({previous.name})", "pass another --run_name",
                     f"remove {previous} to evaluate the copy there now")
-    changed = [key for key in EVALUATION_SETUP if key in recorded and recorded[key] != setup[key]]
+    changed = changed_setup(recorded, setup)
     if changed:
         raise UserError(f"--log_dir/--run_name {run_dir} holds an evaluation of {checkpoint_path} on {_setup_text(recorded, changed, 'eval_')} "
                         f"({previous.name}); this one is on {_setup_text(setup, changed, 'eval_')}: pass another --run_name to keep both, "
@@ -367,19 +367,32 @@ def _child_env() -> dict:
 # (metrics.json's key: the flag), "num_examples" being the examples graded and "data_sha256" the split
 # file's SHA-256 (another test set of as many rows, or an edited one, is another evaluation too)
 EVALUATION_SETUP = {"split": "split", "num_examples": "num_examples", "data_sha256": "data_dir", "temperature": "temperature", "top_p": "top_p",
-                    "min_tokens": "min_tokens", "max_tokens": "max_tokens", "repetition_penalty": "repetition_penalty", "pass_at_k_samples": "samples"}
+                    "min_tokens": "min_tokens", "max_tokens": "max_tokens", "repetition_penalty": "repetition_penalty", "pass_at_k_samples": "samples",
+                    "pass_at_k_k": "pass_k", "pass_at_k_temperature": "samples_temperature", "sampling_seed": "seed"}
 
 
 def evaluation_setup(args, num_examples: int, prefix: str = "") -> dict:
     """metrics.json's record of what was evaluated; `prefix` "eval_" reads train_rl's --eval_* flags (its penalty
     --eval_repetition_penalty, which defaults to the rollouts')."""
     split = getattr(args, _flag("split", prefix))
-    return {key: num_examples if key == "num_examples" else data_fingerprint(args.data_dir, split) if key == "data_sha256"
-            else getattr(args, _flag(flag, prefix)) for key, flag in EVALUATION_SETUP.items()}
+    setup = {key: num_examples if key == "num_examples" else data_fingerprint(args.data_dir, split) if key == "data_sha256"
+             else getattr(args, _flag(flag, prefix)) for key, flag in EVALUATION_SETUP.items()}
+    if not setup["pass_at_k_samples"]:  # no pass@k samples: their k and temperature change nothing
+        setup["pass_at_k_k"] = setup["pass_at_k_temperature"] = None
+        if not setup["temperature"]:  # greedy: nor does the seed
+            setup["sampling_seed"] = None
+    return setup
+
+
+def changed_setup(recorded: dict, setup: dict) -> list[str]:
+    """The settings in which two evaluations differ. One recorded before a setting was (an older metrics.json), or a
+    setting that does not apply on one side (None: pass@k's k without samples, the seed of a greedy pass), is not
+    compared: a change of the setting that makes it apply is."""
+    return [key for key in EVALUATION_SETUP if key in recorded and recorded[key] != setup[key] and None not in (recorded[key], setup[key])]
 
 
 def _flag(flag: str, prefix: str) -> str:
-    return flag if flag == "data_dir" else prefix + flag
+    return flag if flag in ("data_dir", "seed") else prefix + flag
 
 
 def check_replaceable(output_dir, model_path, args, num_examples: int, default: bool) -> None:
@@ -400,7 +413,7 @@ def check_replaceable(output_dir, model_path, args, num_examples: int, default: 
                         f"or remove it to evaluate {model_path} there (nothing was changed)")
     check_same_copy(previous, model_path, f"{where} (metrics.json)", "pass another --output_dir", "remove it to evaluate the copy there now")
     setup = evaluation_setup(args, num_examples)
-    changed = [key for key in EVALUATION_SETUP if key in previous and previous[key] != setup[key]]
+    changed = changed_setup(previous, setup)
     if changed:
         raise UserError(f"{where} holds an evaluation of {model_path} on {_setup_text(previous, changed)} (metrics.json); this one is on "
                         f"{_setup_text(setup, changed)}: pass another --output_dir to keep both, or remove it to replace it (nothing was changed)")

@@ -1160,6 +1160,16 @@ def test_evaluate_keeps_a_whole_split_evaluation_from_a_quick_check_of_the_same_
     evaluate.main([*common, "--max_tokens", "4", "--seed", "3"])  # the same evaluation again: replaced
     evaluate.main([*common, "--num_examples", "2", "--max_tokens", "4", "--output_dir", "runs/eval/quick_check"])
     assert json.loads(snapshot(folder)["metrics.json"])["num_examples"] == 8
+    # pass@k: another k, sample temperature or seed is another evaluation (pass@4 at T=1 was replaced by pass@2 at T=0.5)
+    sampled = ["--max_tokens", "4", "--samples", "2", "--pass_k", "2", "--samples_temperature", "1.0", "--output_dir", "runs/eval/sampled"]
+    evaluate.main([*common, *sampled])
+    written = snapshot(pipeline.root / "runs" / "eval" / "sampled")
+    for other, before, setup in ((["--pass_k", "1"], "--pass_k 2", "--pass_k 1"), (["--samples_temperature", "0.5"], "--samples_temperature 1.0",
+                                  "--samples_temperature 0.5"), (["--seed", "1"], "--seed 0", "--seed 1")):
+        with pytest.raises(UserError, match=rf"^--output_dir runs/eval/sampled holds an evaluation of .*quick/checked on 8 test examples, {before} "
+                                            rf"\(metrics.json\); this one is on 8 test examples, {setup}: pass another --output_dir to keep both"):
+            evaluate.main([*common, *sampled, *other])
+        assert snapshot(pipeline.root / "runs" / "eval" / "sampled") == written
 
 
 HOLD_EVAL_LOCK = """
