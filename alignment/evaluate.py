@@ -117,21 +117,34 @@ def add_pass_at_k(metrics: dict, llm, prompts: list[str], ground_truths: list[st
 
 
 def write_jsonl(path, rows) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(path.name + ".tmp")
-    with open(temp, "w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-    temp.replace(path)
+    _write_through_temp(path, lambda handle: handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def write_json(path, value) -> None:
+    _write_through_temp(path, lambda handle: handle.write(json.dumps(value, indent=2) + "\n"))
+
+
+def _write_through_temp(path, write) -> None:
+    """Write `path` whole or not at all: into <path>.tmp, then renamed; a failed write (a full disk) removes the temp."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(path.name + ".tmp")
-    temp.write_text(json.dumps(value, indent=2) + "\n")
-    temp.replace(path)
+    try:
+        with open(temp, "w", encoding="utf-8") as handle:
+            write(handle)
+        temp.replace(path)
+    except BaseException as error:
+        temp.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.filename is None:  # a failed write names no file: this one
+            error.filename = str(path)
+        raise
+
+
+def file_error(error: OSError, what: str) -> UserError:
+    """One line for a file error that stopped `what` (a full disk or quota, a lost mount), instead of a traceback."""
+    where = error.filename or "one of its files"
+    return UserError(f"{what} stopped on a file error: {error.strerror or error} ({where}); free space or pass a writable folder, then run "
+                     "again (no half-written file was left)")
 
 
 def evaluate_in_subprocess(model_path, args, output_dir, device: str) -> dict:
@@ -312,7 +325,10 @@ def main(argv=None) -> dict | list[dict]:
             claim_log_folder(output_dir, "--output_dir")
             check_replaceable(output_dir, model, args, len(dataset.prompts), default=args.output_dir is None)
         if len(groups) == 1:
-            return _evaluate_group(args, dataset, models, output_dirs)
+            try:
+                return _evaluate_group(args, dataset, models, output_dirs)
+            except OSError as error:
+                raise file_error(error, "the evaluation") from None
     # checkpoints no one engine can hold: vLLM keeps one engine per process (another, once the first is
     # closed, found the first's GPU memory still taken), so each group runs in a child process, which
     # checks and locks its folders again (they were all checked above, before any evaluation)

@@ -72,7 +72,7 @@ from alignment.devices import format_role_table, one_device_roles, resolve_dtype
 from alignment.distributed import check_fsdp_sizes, rank_slice, reduce_reward_meta, reduce_totals, save_policy
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
 from alignment.errors import RunStopped, UserError, run_cli
-from alignment.evaluate import add_pass_at_k, check_eval_only_folder, eval_only_setup, evaluate_checkpoint, evaluate_in_subprocess, evaluate_math, summarize_samples, write_json, write_jsonl
+from alignment.evaluate import add_pass_at_k, check_eval_only_folder, eval_only_setup, evaluate_checkpoint, evaluate_in_subprocess, evaluate_math, file_error, summarize_samples, write_json, write_jsonl
 from alignment.flops import policy_peak_flops
 from alignment.grpo import LOSSES, advantages_from_scores, normalize_group_rewards, overlong_reward, sequence_kl
 from alignment.interrupts import StopOnSignal, resume_command
@@ -504,7 +504,10 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
         with OutputLock([(run_dir, "--log_dir/--run_name")]):
             check_eval_only_folder(run_dir, args.checkpoint_path, setup)  # another run's logs, or another evaluation, stay as they are
             claim_log_folder(run_dir, "--log_dir/--run_name")
-            return evaluate_checkpoint(args, setup)
+            try:
+                return evaluate_checkpoint(args, setup)
+            except OSError as error:
+                raise file_error(error, f"the evaluation of {args.checkpoint_path}") from None
     check_checkpoint(base_model_checkpoint_path, "--sft_checkpoint_path", "run `python -m alignment.train_sft` first or pass --sft_checkpoint_path")
     if not Path(base_model_checkpoint_path).is_dir():
         raise UserError(f"--sft_checkpoint_path {base_model_checkpoint_path} must be a local folder (train_rl reads its config and loads it into vLLM)")

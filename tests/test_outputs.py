@@ -1172,6 +1172,20 @@ def test_evaluate_keeps_a_whole_split_evaluation_from_a_quick_check_of_the_same_
         assert snapshot(pipeline.root / "runs" / "eval" / "sampled") == written
 
 
+def test_an_evaluation_that_cannot_write_its_results_says_so_in_one_line_and_leaves_no_cut_file(pipeline, tmp_path):
+    """A full disk (here a file-size limit) when the samples are written, after the whole evaluation (hours with pass@k):
+    a traceback, and a cut samples.jsonl.tmp left in the folder."""
+    out = tmp_path / "eval"
+    command = shlex.join([sys.executable, "-m", "alignment.evaluate", "--model_path", str(pipeline.sft), "--backend", "hf", "--device", "cpu",
+                          "--data_dir", str(pipeline.data), "--max_tokens", "16", "--output_dir", str(out)])
+    result = subprocess.run(["bash", "-c", f"ulimit -f 1; exec {command}"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.fullmatch(rf"error: the evaluation stopped on a file error: File too large \({re.escape(str(out))}/\w+\.jsonl?\); free space or pass "
+                        r"a writable folder, then run again \(no half-written file was left\)\n", result.stderr.splitlines(keepends=True)[-1]), result.stderr[-2000:]
+    assert not list(out.glob("*.tmp"))
+
+
 HOLD_EVAL_LOCK = """
 import sys, time
 from alignment.checkpoint import OutputLock
