@@ -537,17 +537,19 @@ def _as_given(name: str, value) -> str:
     return f"pass --{name} {value}"
 
 
-def run_record(args, train_data_sha256: str, run_id: str, start_checkpoint_sha256: str | None = None) -> dict:
+def run_record(args, train_data_sha256: str, run_id: str, start_checkpoint_sha256: str | None = None, eval_data_sha256: str | None = None) -> dict:
     """What a training state records about its run: every flag as parsed (before devices are
     resolved), which of them were derived, the fingerprints of its inputs (the training data's
-    SHA-256; the start checkpoint's, which the reference model and a frozen sampler load again
-    on --resume), and the run's id (a state is removed at the end only by the run that wrote it)."""
+    SHA-256; the evaluation split's, whose curve a resumed run continues; the start checkpoint's,
+    which the reference model and a frozen sampler load again on --resume), and the run's id (a
+    state is removed at the end only by the run that wrote it)."""
     flags = {key: _plain(value) for key, value in sorted(vars(args).items()) if key not in _NOT_RECORDED}
     return {"flags": flags, "derived_flags": list(getattr(args, "derived_flags", [])), "train_data_sha256": train_data_sha256,
-            "start_checkpoint_sha256": start_checkpoint_sha256, "run_id": run_id}
+            "eval_data_sha256": eval_data_sha256, "start_checkpoint_sha256": start_checkpoint_sha256, "run_id": run_id}
 
 
-def check_resume_flags(saved: dict, args, train_data_sha256: str, start_checkpoint_sha256: str | None = None) -> list[str]:
+def check_resume_flags(saved: dict, args, train_data_sha256: str, start_checkpoint_sha256: str | None = None,
+                       eval_data_sha256: str | None = None) -> list[str]:
     """Compare a saved run record with this command's flags and inputs.
 
     Raises UserError for a record that is not there (an older version's state), a changed
@@ -563,6 +565,13 @@ def check_resume_flags(saved: dict, args, train_data_sha256: str, start_checkpoi
     derived = set(saved.get("derived_flags", [])) | set(getattr(args, "derived_flags", []))
     # the flags a user sets first: a changed --sampling_max_tokens is named, not the
     # --length_normalization_constant derived from it
+    # the evaluation split's file: another --eval_split is a flag that takes effect (named below); the same split with other contents is not
+    eval_changed = (None not in (saved.get("eval_data_sha256"), eval_data_sha256) and saved.get("eval_data_sha256") != eval_data_sha256
+                    and saved["flags"].get("eval_split", args.eval_split) == args.eval_split)
+    if eval_changed:
+        raise UserError(f"--resume: {args.data_dir}/{args.eval_split}.jsonl is not the file the run evaluated on (SHA-256 "
+                        f"{saved['eval_data_sha256'][:12]}, now {eval_data_sha256[:12]}), so its evaluation curve would mix two test sets; "
+                        "restore the file or pass the run's --data_dir, or start a new run with another --checkpoint_path")
     # a folder moved (another mount point, a renamed experiment) whose contents are the ones the run recorded: the same input
     same_contents = {"sft_checkpoint_path": saved.get("start_checkpoint_sha256") is not None and saved.get("start_checkpoint_sha256") == start_checkpoint_sha256,
                      "data_dir": saved.get("train_data_sha256") is not None and saved.get("train_data_sha256") == train_data_sha256}

@@ -524,6 +524,7 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
     # recorded with the run: a resumed run must load the same start and data again, and a rerun that only
     # evaluates the checkpoint must name what it was trained from
     start_sha256, train_data_sha256 = input_fingerprints(args, base_model_checkpoint_path)
+    eval_data_sha256 = data_fingerprint(args.data_dir, args.eval_split) if split_path(args.data_dir, args.eval_split).is_file() else None
     run_id = uuid.uuid4().hex
     if args.resume and not has_training_state(args.state_dir):
         print(f"--resume: no training state in {args.state_dir}; starting from the SFT checkpoint")
@@ -535,14 +536,14 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
         if held and held != saved.get("run_id"):
             raise UserError(f"--resume --checkpoint_path {args.checkpoint_path} holds the checkpoint of another run ({held[:8]}), which this run's "
                             f"saves would replace; pass this run's own --checkpoint_path {saved.get('flags', {}).get('checkpoint_path', '')}".rstrip())
-        for line in check_resume_flags(saved, args, train_data_sha256, start_sha256):
+        for line in check_resume_flags(saved, args, train_data_sha256, start_sha256, eval_data_sha256):
             print(f"resume: {line} takes effect")
         saved_step = state_step(args.state_dir)
         if args.max_steps and args.max_steps < saved_step:
             raise UserError(f"--resume --max_steps {args.max_steps}: the training state in {args.state_dir} is at step {saved_step} already; "
                             f"pass --max_steps {saved_step} or more (or leave it out) to continue the run")
         run_id = saved.get("run_id") or run_id  # the state stays this run's: it removes it when it finishes
-    run = run_record(args, train_data_sha256, run_id, start_sha256)  # the flags as given, before devices are resolved
+    run = run_record(args, train_data_sha256, run_id, start_sha256, eval_data_sha256)  # the flags as given, before devices are resolved
     with OutputLock(locks if writes else []), StopOnSignal() as stop:
         if writes:
             claim_log_folder(run_dir, "--log_dir/--run_name", run["run_id"], resuming=args.resume and has_training_state(args.state_dir))

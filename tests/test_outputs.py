@@ -207,6 +207,19 @@ def test_resume_refuses_changed_training_data(tmp_path, monkeypatch):
         train_rl.main(flags(task, "data", "--save_state_every", "1", "--resume"))
 
 
+def test_resume_refuses_another_test_set_under_the_same_curve(tmp_path, monkeypatch):
+    """--resume --data_dir <a copy with the same train.jsonl and fewer test rows>: it said "the same files" and the
+    run's evaluation curve went on on another test set. Refused; another --eval_split is a flag that takes effect."""
+    task = make_tiny_task(tmp_path, num_train=48, num_test=8, seed=5)
+    interrupted_run(task, "eval_data", monkeypatch)
+    other = tmp_path / "other_data"
+    shutil.copytree(task.data, other)
+    (other / "test.jsonl").write_text("".join((task.data / "test.jsonl").read_text().splitlines(keepends=True)[:4]))
+    with pytest.raises(UserError, match=rf"^--resume: {re.escape(str(other))}/test.jsonl is not the file the run evaluated on \(SHA-256 \w{{12}}, "
+                                        r"now \w{12}\), so its evaluation curve would mix two test sets"):
+        train_rl.main(flags(task, "eval_data", "--save_state_every", "1", "--resume", "--data_dir", str(other)))
+
+
 def test_resume_never_saves_over_another_runs_finished_checkpoint(pipeline, monkeypatch):
     """--checkpoint_path may change on resume; a job script that kept a finished run's path (with a shared
     --state_dir) used to resume the other run into it and replace that result with no word."""
