@@ -10,6 +10,7 @@ import argparse
 import ast
 import json
 import math
+import os
 from pathlib import Path
 
 from alignment.checkpoint import start_over
@@ -391,8 +392,20 @@ def _add_rl_evaluation_and_logging(parser) -> None:
     reliability.add_argument("--max_skipped_steps", type=_positive_int, default=3, help="stop after this many optimizer steps in a row skipped for a non-finite loss or gradient")
 
 
+def expand_home(args, *flags: str) -> None:
+    """A path flag given as `~/...` (quoted, or `--flag=~/...`, which no shell expands) names the home folder, as
+    everywhere else: the checks expanded it while the writes made a folder named `~` in the working folder."""
+    for flag in flags:
+        value = getattr(args, flag, None)
+        if isinstance(value, list):
+            setattr(args, flag, [os.path.expanduser(item) if isinstance(item, str) else item for item in value])
+        elif isinstance(value, str):
+            setattr(args, flag, os.path.expanduser(value))
+
+
 def parse_rl_args(argv=None) -> argparse.Namespace:
     args = build_rl_parser().parse_args(argv)
+    expand_home(args, "sft_checkpoint_path", "checkpoint_path", "state_dir", "tmp_checkpoint_path", "log_dir", "data_dir", "model")
     args.given_flags = given_flags(build_rl_parser(), argv)
     validate_rl_args(args)
     return args
@@ -685,6 +698,7 @@ def build_sft_parser() -> argparse.ArgumentParser:
 
 def parse_sft_args(argv=None) -> argparse.Namespace:
     args = build_sft_parser().parse_args(argv)
+    expand_home(args, "model", "checkpoint_path", "log_dir", "data_dir")
     if args.batch_size % args.microbatch_size and not args.microbatch_tokens:
         raise UserError(f"--microbatch_size {args.microbatch_size} must divide --batch_size {args.batch_size}")
     if args.eval_every and not args.eval_num_examples:
@@ -722,6 +736,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
 
 def parse_eval_args(argv=None) -> argparse.Namespace:
     args = build_eval_parser().parse_args(argv)
+    expand_home(args, "model_path", "output_dir", "data_dir")
     if args.min_tokens > args.max_tokens:
         raise UserError(f"--min_tokens {args.min_tokens} exceeds --max_tokens {args.max_tokens}")
     check_pass_at_k(args, "")

@@ -1,6 +1,7 @@
 """Every CLI rejects bad input before loading a model: one line, exit code 2."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -314,6 +315,27 @@ def test_every_command_in_the_readme_parses(toy_data):
         if flags == ["--help"]:
             continue
         parsers[tool](flags + ["--data_dir", str(toy_data)])
+
+
+def test_a_path_flag_given_as_tilde_names_the_home_folder(toy_data, tmp_path, monkeypatch):
+    """`--checkpoint_path=~/ck` (or quoted): no shell expands it, and the writes made a folder named `~` in the working
+    folder while the output checks looked at the home folder. Every path flag of the three tools is expanded."""
+    from alignment.args import parse_eval_args, parse_rl_args, parse_sft_args
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = str(tmp_path)
+    rl = parse_rl_args(["--sft_checkpoint_path=~/sft", "--checkpoint_path=~/ck/rl", "--state_dir=~/ck/rl.state", "--tmp_checkpoint_path=~/tmp",
+                        "--log_dir=~/runs", "--model=~/tok", "--data_dir", str(toy_data)])
+    assert [rl.sft_checkpoint_path, rl.checkpoint_path, rl.state_dir, rl.tmp_checkpoint_path, rl.log_dir, rl.model] == [
+        f"{home}/sft", f"{home}/ck/rl", f"{home}/ck/rl.state", f"{home}/tmp", f"{home}/runs", f"{home}/tok"]
+    sft = parse_sft_args(["--model=~/base", "--checkpoint_path=~/ck/sft", "--log_dir=~/runs", "--data_dir", str(toy_data)])
+    assert [sft.model, sft.checkpoint_path, sft.log_dir] == [f"{home}/base", f"{home}/ck/sft", f"{home}/runs"]
+    evaluation = parse_eval_args(["--model_path", "~/a", "Qwen/Qwen2.5-Math-1.5B", "--output_dir", "~/ev_a", "~/ev_b", "--data_dir", str(toy_data)])
+    assert [evaluation.model_path, evaluation.output_dir] == [[f"{home}/a", "Qwen/Qwen2.5-Math-1.5B"], [f"{home}/ev_a", f"{home}/ev_b"]]
+    monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))  # the data folder too, as the others
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copytree(toy_data, tmp_path / "elsewhere" / "gsm8k")
+    assert parse_eval_args(["--model_path", "m", "--data_dir=~/gsm8k"]).data_dir == str(tmp_path / "elsewhere" / "gsm8k")
 
 
 def test_given_flags_are_the_ones_on_the_command_line_whatever_their_value(toy_data):
