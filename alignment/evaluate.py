@@ -143,8 +143,7 @@ def _write_through_temp(path, write) -> None:
 def file_error(error: OSError, what: str) -> UserError:
     """One line for a file error that stopped `what` (a full disk or quota, a lost mount), instead of a traceback."""
     where = error.filename or "one of its files"
-    return UserError(f"{what} stopped on a file error: {error.strerror or error} ({where}); free space or pass a writable folder, then run "
-                     "again (no half-written file was left)")
+    return UserError(f"{what} stopped on a file error: {error.strerror or error} ({where}); free space or pass a writable folder, then run again")
 
 
 def evaluate_in_subprocess(model_path, args, output_dir, device: str) -> dict:

@@ -1195,7 +1195,7 @@ def test_an_evaluation_that_cannot_write_its_results_says_so_in_one_line_and_lea
                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert re.fullmatch(rf"error: the evaluation stopped on a file error: File too large \({re.escape(str(out))}/\w+\.jsonl?\); free space or pass "
-                        r"a writable folder, then run again \(no half-written file was left\)\n", result.stderr.splitlines(keepends=True)[-1]), result.stderr[-2000:]
+                        r"a writable folder, then run again\n", result.stderr.splitlines(keepends=True)[-1]), result.stderr[-2000:]
     assert not list(out.glob("*.tmp"))
     # train_rl's evaluate-only rerun of a finished run, the same way
     train_rl.main(flags(pipeline, "full_disk", "--max_steps", "1"))
@@ -1204,7 +1204,7 @@ def test_an_evaluation_that_cannot_write_its_results_says_so_in_one_line_and_lea
     run_dir = pipeline.root / "runs" / "full_disk"
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.splitlines()[-1].startswith(f"error: the evaluation of {pipeline.root / 'full_disk' / 'rl'} stopped on a file error: File too large ("), result.stderr[-2000:]
-    assert not list(run_dir.glob("*.tmp")) and not (run_dir / "eval_only_metrics.json").exists()
+    assert not list(run_dir.glob("*.tmp"))  # each file whole or not there (which one the limit stops depends on the responses' length)
 
 
 HOLD_EVAL_LOCK = """
