@@ -441,8 +441,12 @@ def check_not_a_copy_of_the_runs_state(state_dir, saved_run: dict) -> None:
 def input_fingerprints(args, start) -> tuple[str | None, str | None]:
     """The start checkpoint's and train.jsonl's fingerprints as they are now (None for one that is not there)."""
     start_sha256 = folder_fingerprint(start) if has_weights(start) else None
-    train_data_sha256 = data_fingerprint(args.data_dir) if split_path(args.data_dir, "train").is_file() else None
-    return start_sha256, train_data_sha256
+    return start_sha256, split_fingerprint(args.data_dir, "train")
+
+
+def split_fingerprint(data_dir, split: str) -> str | None:
+    """A GSM8K split file's SHA-256 as it is now (None when it is not there)."""
+    return data_fingerprint(data_dir, split) if split_path(data_dir, split).is_file() else None
 
 
 def drop_samples(metrics: dict) -> dict:
@@ -524,7 +528,7 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
     # recorded with the run: a resumed run must load the same start and data again, and a rerun that only
     # evaluates the checkpoint must name what it was trained from
     start_sha256, train_data_sha256 = input_fingerprints(args, base_model_checkpoint_path)
-    eval_data_sha256 = data_fingerprint(args.data_dir, args.eval_split) if split_path(args.data_dir, args.eval_split).is_file() else None
+    eval_data_sha256 = split_fingerprint(args.data_dir, args.eval_split)
     run_id = uuid.uuid4().hex
     if args.resume and not has_training_state(args.state_dir):
         print(f"--resume: no training state in {args.state_dir}; starting from the SFT checkpoint")
