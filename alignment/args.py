@@ -312,6 +312,13 @@ def check_pass_at_k(args, prefix: str) -> None:
         raise UserError(f"--{prefix}samples {samples} at temperature 0 would repeat the greedy response; pass --{prefix}samples_temperature > 0")
 
 
+def _ratio_is_one(args) -> bool:
+    """Whether a ratio loss's ratio is 1 at every token, so its clip range cannot act: one optimizer step on each
+    batch, against the policy that sampled it, which is the policy being updated (in sync, not the reference)."""
+    single_step = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.total_rollouts
+    return single_step and args.old_policy == "rollout" and not args.rollout_staleness
+
+
 def _check_objective_variants(args) -> None:
     """The combinations of the objective-variant flags that cannot work, each one line naming a flag."""
     if args.length_normalization not in LOSSES[args.loss_type]["aggregations"]:
@@ -355,6 +362,25 @@ def _check_objective_variants(args) -> None:
     if unused := [flag for flag in ("cliprange", "cliprange_high", "old_policy") if flag in given and args.loss_type not in RATIO_LOSSES]:
         # a note, not a refusal: a sweep's variant switching --loss_type keeps the recipe's clip flags
         print(f"note: --{' and --'.join(unused)} act on the ratio losses ({_RATIO_NAMES}) only: --loss_type {args.loss_type} does not use them")
+    elif (unused := [flag for flag in ("cliprange", "cliprange_high") if flag in given]) and _ratio_is_one(args):
+        print(f"note: --{' and --'.join(unused)} cannot act here: with one optimizer step on each fresh batch (--train_batch_size = the "
+              f"{args.total_rollouts} rollouts, --epochs_per_rollout_batch 1, --old_policy rollout) the ratio is 1; a smaller --train_batch_size, "
+              "more epochs or --rollout_staleness make it clip")
+    if "advantage_eps" in given and not args.use_std_normalization:
+        print(f"note: --advantage_eps {args.advantage_eps:g} guards the division by the group's std: "
+              f"{'--loss_type no_baseline has no advantages' if args.loss_type == 'no_baseline' else '--no-use_std_normalization does not divide'}, so it has no effect")
+    if args.layout == "auto" and (placed := [flag for flag in ("sample_device", "reference_model_device", "eval_device") if flag in given]):
+        raise UserError(f"--layout auto places the roles on this machine's GPUs itself, over --{' and --'.join(placed)}: drop --layout auto to "
+                        "place them by hand (--layout explicit), or drop the device flag (--policy_devices is kept under auto)")
+    if "eval_engine" in given and args.eval_engine == "fresh" and args.rollout_backend == "hf":
+        raise UserError("--eval_engine fresh starts a vLLM engine for each evaluation; --rollout_backend hf evaluates the policy in place with "
+                        "transformers: drop one of them")
+    if "sampler_logprobs_every" in given and args.sampler_logprobs_every and args.rollout_tokens != "ids":
+        raise UserError(f"--sampler_logprobs_every {args.sampler_logprobs_every} compares the sampler's log-probs of its token ids with the "
+                        f"policy's: --rollout_tokens {args.rollout_tokens} trains on the text tokenised again; add --rollout_tokens ids, or drop the flag")
+    if "eval_samples_temperature" in given and not args.eval_samples:
+        raise UserError(f"--eval_samples_temperature {args.eval_samples_temperature:g} is the temperature of --eval_samples' draws: "
+                        "add --eval_samples N (and --eval_pass_k), or drop the flag")
     if args.eval_samples_temperature is None:
         args.eval_samples_temperature = args.sampling_temperature
     check_pass_at_k(args, "eval_")
@@ -388,7 +414,7 @@ def _add_rl_evaluation_and_logging(parser) -> None:
     reliability.add_argument("--save_state_every", type=_non_negative_int, default=0, help="write a resumable training state every N steps (0 = never)")
     reliability.add_argument("--resume", action="store_true", help="continue from the latest training state in --state_dir")
     reliability.add_argument("--skip_zero_signal", action=argparse.BooleanOptionalAction, default=True,
-                             help="skip the update when every group's rewards are equal (zero gradient without KL); --no-skip_zero_signal runs it anyway, as the seed and TRL do (benchmarks time it)")
+                             help="skip the update when every group's rewards are equal (zero gradient without KL or an entropy bonus; the learning-rate schedule still counts its steps); --no-skip_zero_signal runs it anyway, as the seed and TRL do (benchmarks time it)")
     reliability.add_argument("--max_skipped_steps", type=_positive_int, default=3, help="stop after this many optimizer steps in a row skipped for a non-finite loss or gradient")
 
 
@@ -527,6 +553,8 @@ EVALUATION_SIDE_FLAGS = (
     "peak_tflops", "num_logged_rollouts", "save_state_every",
 )
 _AUTO_FLAGS = ("torch_compile", "pack_sequences")  # None until resolve_speed_flags knows the device
+# flags that act only when a run starts: on --resume they change the record, not the run
+_START_ONLY_FLAGS = {"evaluate_at_start": "has no effect: step 0 is evaluated when a run starts, not on --resume"}
 
 
 def _store_true_flags() -> frozenset:
@@ -567,8 +595,8 @@ def check_resume_flags(saved: dict, args, train_data_sha256: str, start_checkpoi
 
     Raises UserError for a record that is not there (an older version's state), a changed
     run-defining flag, changed training data or a changed start checkpoint; returns one line
-    per other flag that changed (those take effect), and per input folder that moved with the
-    files the run recorded (its fingerprint, not its path, is what the run depends on).
+    per other flag that changed, saying whether it takes effect, and per input folder that moved
+    with the files the run recorded (its fingerprint, not its path, is what the run depends on).
     """
     if not isinstance(saved.get("flags"), dict):
         raise UserError(f"--resume: the training state in {args.state_dir} records no flags (an older version wrote it), so a changed flag "
@@ -605,12 +633,10 @@ def check_resume_flags(saved: dict, args, train_data_sha256: str, start_checkpoi
         raise UserError(f"--resume: the start checkpoint (--sft_checkpoint_path {args.sft_checkpoint_path or 'default'}) holds other files than "
                         "when the run started, so the KL reference (and a frozen sampler) would be another model; restore it, "
                         "or start a new run with another --checkpoint_path")
-    return moved + [
-        f"--{key} {_plain(getattr(args, key))} (the run had {flags[key]})"
-        for key in sorted(flags)
-        if key not in RUN_DEFINING_FLAGS and hasattr(args, key) and flags[key] != _plain(getattr(args, key))
-        and not (key in _AUTO_FLAGS and getattr(args, key) is None)  # left at auto: resolved again on this device
-    ]
+    changed = [key for key in sorted(flags) if key not in RUN_DEFINING_FLAGS and hasattr(args, key) and flags[key] != _plain(getattr(args, key))
+               and not (key in _AUTO_FLAGS and getattr(args, key) is None)]  # left at auto: resolved again on this device
+    return [f"{line} takes effect" for line in moved] + [
+        f"--{key} {_plain(getattr(args, key))} (the run had {flags[key]}) " + _START_ONLY_FLAGS.get(key, "takes effect") for key in changed]
 
 
 def check_checkpoint_flags(saved: dict, args) -> None:
@@ -688,7 +714,7 @@ def build_sft_parser() -> argparse.ArgumentParser:
     parser.add_argument("--normalize_constant", type=_positive_float, default=1.0, help="the summed response log-likelihood is divided by this (CS336 convention)")
     parser.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward to save memory")
     parser.add_argument("--logprob_chunk_size", type=_non_negative_int, default=1024, help="tokens per chunk of the fused lm_head+log-softmax; 0 = naive")
-    parser.add_argument("--log_every", type=_positive_int, default=10, help="console line and TensorBoard scalars every N optimizer steps")
+    parser.add_argument("--log_every", type=_positive_int, default=10, help="console line every N optimizer steps (TensorBoard gets every step)")
     parser.add_argument("--eval_every", type=_non_negative_int, default=0, help="evaluate on the eval split every N steps (0 = only at the end)")
     parser.add_argument("--eval_num_examples", type=_non_negative_int, default=200,
                         help="examples for SFT-time evaluation (greedy, HF generate); 0: none (evaluate the checkpoint with alignment.evaluate)")

@@ -1,6 +1,7 @@
 """AdamW and the learning-rate schedule used by SFT and RL."""
 
 import math
+import warnings
 
 import torch
 
@@ -42,3 +43,13 @@ def set_peak_learning_rate(optimizer, scheduler: torch.optim.lr_scheduler.Lambda
         group["initial_lr"] = learning_rate
         group["lr"] = learning_rate * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def skip_schedule_steps(scheduler: torch.optim.lr_scheduler.LambdaLR, steps: int) -> None:
+    """Advance the schedule over `steps` optimizer steps that were skipped (a batch with no learning signal, a
+    non-finite gradient): the schedule is planned over every optimizer step of the run, so the rate at a step is the
+    plan's however many steps before it were skipped (a cosine still ends at its floor, a warm-up where it planned)."""
+    with warnings.catch_warnings():  # torch warns of a schedule stepped before any optimizer step: here that is the point
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+        for _ in range(steps):
+            scheduler.step()

@@ -19,6 +19,7 @@ from alignment.errors import UserError
 from alignment.flops import update_flops
 from alignment.fused_logprobs import use_compiled_chunk_math
 from alignment.grpo import LOSSES, grpo_microbatch_train_step, mismatch_weights
+from alignment.optim import skip_schedule_steps
 from alignment.precision import autocast
 from alignment.rollout import load_hf_model
 from alignment.sft_helpers import chunks, get_response_log_probs, microbatches
@@ -225,6 +226,7 @@ def update_policy(model, optimizer, scheduler, batch, settings: UpdateSettings, 
                 totals["optimizer_steps"] += 1
             else:
                 totals["skipped_steps"] += 1  # never write NaN/inf into the weights
+                skip_schedule_steps(scheduler, 1)  # the rate stays on its plan
             optimizer.zero_grad(set_to_none=True)
     mismatch = sums.pop("mismatch")
     totals.update({key: totals.get(key, 0.0) + value.item() for key, value in sums.items()})

@@ -76,7 +76,7 @@ from alignment.evaluate import add_pass_at_k, check_eval_only_folder, eval_only_
 from alignment.flops import policy_peak_flops
 from alignment.grpo import LOSSES, advantages_from_scores, normalize_group_rewards, overlong_reward, sequence_kl
 from alignment.interrupts import StopOnSignal, resume_command
-from alignment.optim import build_optimizer, build_scheduler, set_peak_learning_rate
+from alignment.optim import build_optimizer, build_scheduler, set_peak_learning_rate, skip_schedule_steps
 from alignment.policy_update import UpdateSettings, empty_totals, load_reference, needs_old_policy_pass, prepare_policy, score_with, sequence_lengths, update_policy
 from alignment.precision import describe as describe_precision
 from alignment.precision import master_dtype
@@ -228,11 +228,15 @@ def cut_decay_note(args, rate: float, planned_steps: int) -> str:
             f"schedule planned 10% at step {planned_steps} (plan fewer --max_steps for the decay to end inside the box)")
 
 
+def optimizer_steps_per_batch(args) -> int:
+    """The optimizer steps one rollout batch is planned to take: one per --train_batch_size, each --epochs_per_rollout_batch."""
+    return args.epochs_per_rollout_batch * (args.total_rollouts // args.train_batch_size)
+
+
 def optimizer_and_schedule(args, model, total_steps: int, state: dict | None, say):
     """AdamW and its schedule over every optimizer step of the run; restored from a training state."""
     optimizer = build_optimizer(model, args.learning_rate, args.weight_decay, args.adam_betas)
-    scheduler = build_scheduler(optimizer, args.warmup_steps, total_steps * args.epochs_per_rollout_batch * (args.total_rollouts // args.train_batch_size),
-                                args.lr_schedule)
+    scheduler = build_scheduler(optimizer, args.warmup_steps, total_steps * optimizer_steps_per_batch(args), args.lr_schedule)
     if state:
         distributed.load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -320,9 +324,10 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
 
         # 4. log-probs fixed during the update: the frozen reference, and the pre-update policy when a
         # ratio loss takes several optimizer steps. A batch whose groups all tie has zero advantage:
-        # its gradient is zero (without KL), so skip the work and keep Adam's momentum still.
+        # its gradient is zero (without KL or an entropy bonus), so skip the work and keep Adam's momentum still.
         signal = batch[LOSSES[args.loss_type].signal]  # raw_rewards or advantages, as the loss was registered
-        has_signal = ranks.any_true(args.kl_coef > 0 or not args.skip_zero_signal or bool(signal.abs().max() > 0))
+        # the KL penalty and the entropy bonus have a gradient of their own
+        has_signal = ranks.any_true(args.kl_coef > 0 or args.entropy_coef != 0 or not args.skip_zero_signal or bool(signal.abs().max() > 0))
         with timed(timings, "logprobs"):
             if has_signal and reference_model is not None:
                 batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, **scoring)
@@ -336,6 +341,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
             totals = reduce_totals(update_policy(model, optimizer, scheduler, batch, settings, main_device, dtype, ranks=ranks, step=step), ranks) if has_signal else empty_totals()
         totals["staleness"] = progress["policy_version"] - sampled_version  # updates between the sampler's weights and the policy's
         if not has_signal:
+            skip_schedule_steps(scheduler, optimizer_steps_per_batch(args))  # the steps this batch would have taken
             progress["zero_signal_batches"] += 1
             say(f"step {step}: every group has equal rewards, no learning signal; update skipped", flush=True)
         if totals["optimizer_steps"]:
@@ -541,7 +547,7 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
             raise UserError(f"--resume --checkpoint_path {args.checkpoint_path} holds the checkpoint of another run ({held[:8]}), which this run's "
                             f"saves would replace; pass this run's own --checkpoint_path {saved.get('flags', {}).get('checkpoint_path', '')}".rstrip())
         for line in check_resume_flags(saved, args, train_data_sha256, start_sha256, eval_data_sha256):
-            print(f"resume: {line} takes effect")
+            print(f"resume: {line}")
         saved_step = state_step(args.state_dir)
         if args.max_steps and args.max_steps < saved_step:
             raise UserError(f"--resume --max_steps {args.max_steps}: the training state in {args.state_dir} is at step {saved_step} already; "

@@ -383,7 +383,9 @@ def test_the_evaluation_penalty_follows_the_rollouts_unless_eval_repetition_pena
 def test_flags_for_a_setting_the_run_does_not_use_are_refused_or_noted(tmp_path, capsys):
     """Each was accepted without a word: a constant for another normalisation (the run is not Dr. GRPO), a TIS cap
     with nothing sampled ahead, a round limit without dynamic sampling, clip flags on a loss without a ratio, greedy
-    rollouts (every group ties: nothing to learn), a warm-up longer than the run."""
+    rollouts (every group ties: nothing to learn), a warm-up longer than the run; and a clip range where the ratio is
+    always 1, an epsilon with no division, devices that --layout auto overrode, a fresh vLLM evaluation under the HF
+    backend, a sampler/policy gap measured on retokenised text, a pass@k temperature with no pass@k."""
     from alignment.errors import UserError
     from alignment.optim import build_scheduler
 
@@ -401,8 +403,27 @@ def test_flags_for_a_setting_the_run_does_not_use_are_refused_or_noted(tmp_path,
     capsys.readouterr()
     parse_rl_args(base + ["--loss_type", "reinforce_with_baseline", "--cliprange", "0.3", "--cliprange_high", "0.4"])
     assert "note: --cliprange and --cliprange_high act on the ratio losses (" in capsys.readouterr().out
-    parse_rl_args(base + ["--cliprange", "0.3"])  # grpo_clip: no note
+    parse_rl_args(base + ["--cliprange", "0.3", "--train_batch_size", "128"])  # grpo_clip, two optimizer steps a batch: no note
     assert "note" not in capsys.readouterr().out
+    # flags that cannot act with the others given: a note where a sweep's variant may keep them, else refused
+    parse_rl_args(base + ["--cliprange", "0.3"])  # one optimizer step on each fresh batch: the ratio is 1
+    assert capsys.readouterr().out.startswith("note: --cliprange cannot act here: with one optimizer step on each fresh batch (--train_batch_size = the 256 rollouts")
+    for unclipped in (["--epochs_per_rollout_batch", "2"], ["--old_policy", "reference"], ["--rollout_staleness", "1"]):
+        parse_rl_args(base + ["--cliprange", "0.3", *unclipped])
+        assert "cannot act" not in capsys.readouterr().out, unclipped
+    parse_rl_args(base + ["--advantage_eps", "0.5", "--no-use_std_normalization"])
+    assert capsys.readouterr().out == "note: --advantage_eps 0.5 guards the division by the group's std: --no-use_std_normalization does not divide, so it has no effect\n"
+    parse_rl_args(base + ["--advantage_eps", "0.5"])
+    assert capsys.readouterr().out == ""
+    for flags, message in (
+        (["--layout", "auto", "--sample_device", "cuda:3"], r"^--layout auto places the roles on this machine's GPUs itself, over --sample_device: drop --layout auto"),
+        (["--rollout_backend", "hf", "--eval_engine", "fresh"], r"^--eval_engine fresh starts a vLLM engine for each evaluation; --rollout_backend hf"),
+        (["--rollout_tokens", "text", "--sampler_logprobs_every", "1"], r"^--sampler_logprobs_every 1 compares the sampler's log-probs of its token ids"),
+        (["--eval_samples_temperature", "0.7"], r"^--eval_samples_temperature 0.7 is the temperature of --eval_samples' draws: add --eval_samples N"),
+    ):
+        with pytest.raises(UserError, match=message):
+            parse_rl_args(base + flags)
+    parse_rl_args(base + ["--layout", "auto", "--policy_devices", "cuda:0", "--rollout_tokens", "text", "--eval_samples", "4", "--eval_samples_temperature", "0.7"])
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     build_scheduler(optimizer, 1000, 2)
     assert capsys.readouterr().out == "note: --warmup_steps 1000 is longer than the run's 2 optimizer steps: the learning rate ends at 0.2% of its peak\n"

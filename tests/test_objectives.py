@@ -584,7 +584,7 @@ def test_good_combinations_parse_and_resume_refuses_a_changed_objective(task):
     with pytest.raises(UserError, match="--resume: --entropy_coef is 0.001 but the run was started with 0.0"):
         check_resume_flags(saved, args, "sha")
     saved["flags"]["entropy_coef"] = 0.001
-    assert check_resume_flags(saved, args, "sha") == ["--eval_samples 8 (the run had 0)"]  # evaluation may change
+    assert check_resume_flags(saved, args, "sha") == ["--eval_samples 8 (the run had 0) takes effect"]  # evaluation may change
 
 
 def test_evaluate_cli_pass_at_k_flags(task, capsys, tmp_path):

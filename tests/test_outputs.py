@@ -136,11 +136,13 @@ def test_resume_refuses_run_defining_changes_and_applies_safe_ones(pipeline, mon
         train_rl.main(flags(pipeline, "changed", "--save_state_every", "1", "--resume", "--rollout_batch_size", "8"))
     assert read_manifest(state)["step"] == 1  # refused without touching the state
     capsys.readouterr()
-    train_rl.main(flags(pipeline, "changed", "--save_state_every", "1", "--resume", "--learning_rate", "2e-3"))
+    train_rl.main(flags(pipeline, "changed", "--save_state_every", "1", "--resume", "--learning_rate", "2e-3", "--evaluate_at_start"))
     out = capsys.readouterr().out
     assert "resume: --learning_rate 0.002 (the run had 0.001) takes effect" in out
+    # a flag that acts only when a run starts is not said to take effect
+    assert "resume: --evaluate_at_start True (the run had False) has no effect: step 0 is evaluated when a run starts, not on --resume" in out
     assert "resume: --torch_compile" not in out and "resume: --pack_sequences" not in out  # left at auto both times: no change to report
-    assert "resume: --" not in out.replace("resume: --learning_rate", "")  # devices resolved by --layout auto are not reported as changed
+    assert "resume: --" not in out.replace("resume: --learning_rate", "").replace("resume: --evaluate_at_start", "")  # devices resolved by --layout auto are not reported as changed
     steps = steps_log(pipeline, "changed")
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert steps[0]["train/lr"] == pytest.approx(1e-3) and steps[2]["train/lr"] == pytest.approx(2e-3)

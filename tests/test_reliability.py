@@ -386,9 +386,11 @@ def test_non_finite_steps_apart_are_counted_over_the_run_and_do_not_stop_it(pipe
 
     monkeypatch.setattr(train_rl, "update_policy", update)
     monkeypatch.setattr(policy_update, "grpo_microbatch_train_step", poisoned)
-    metrics = train_rl.main(flags(pipeline, "nan_apart", "--max_skipped_steps", "2", "--rollout_sync_every", "0"))
+    metrics = train_rl.main(flags(pipeline, "nan_apart", "--max_skipped_steps", "2", "--rollout_sync_every", "0", "--lr_schedule", "cosine",
+                                  "--learning_rate", "1e-3"))
     logged = steps_log(pipeline, "nan_apart")
     assert [s["step"] for s in logged] == [1, 2, 3, 4]
+    assert logged[-1]["train/lr"] == pytest.approx(1e-4)  # the skipped steps count on the schedule: the cosine ends at its floor
     assert [s["train/skipped_steps"] for s in logged] == [1, 1, 2, 2]
     assert [s["train/staleness"] for s in logged] == [0, 0, 1, 1]
     final = json.loads((pipeline.root / "runs" / "nan_apart" / "final_eval_metrics.json").read_text())

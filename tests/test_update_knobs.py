@@ -302,16 +302,23 @@ def test_advantage_normalisation_flags_shape_the_advantages(task, monkeypatch):
 
 
 def test_skip_zero_signal_skips_a_batch_whose_groups_all_tie(task, monkeypatch):
-    """Every reward 0: skipped (and counted) by default; --no-skip_zero_signal runs the update anyway, as the seed did."""
+    """Every reward 0: skipped (and counted) by default; --no-skip_zero_signal runs the update anyway, as the seed did.
+    A skipped batch still counts on the learning-rate schedule: a cosine over two optimizer steps a batch ends at its
+    floor, at the rates of the run that updates; an entropy bonus has a gradient of its own, so it is never skipped."""
     updates = record_updates(monkeypatch)
     tied = lambda responses, truths, **_: [{"reward": 0.0, "format_reward": 0.0, "answer_reward": 0.0} for _ in responses]  # noqa: E731
     monkeypatch.setattr(train_rl, "grade_responses", tied)
-    train_rl.main(train_rl_flags(task, "tied", "--max_steps", "2", "--rollout_batch_size", "2", "--group_size", "4", "--kl_coef", "0",
-                                 "--no-log_reference_kl", "--eval_num_examples", "1", "--eval_max_tokens", "4"))
+    common = ("--max_steps", "2", "--rollout_batch_size", "2", "--group_size", "4", "--kl_coef", "0", "--no-log_reference_kl", "--eval_num_examples", "1",
+              "--eval_max_tokens", "4", "--lr_schedule", "cosine", "--learning_rate", "1e-3", "--train_batch_size", "4", "--train_mini_batch_size", "4")
+    train_rl.main(train_rl_flags(task, "tied", *common))
     assert updates == [] and [row["train/zero_signal_batches"] for row in steps_log(task, "tied")] == [1, 2]
-    train_rl.main(train_rl_flags(task, "tied_run", "--max_steps", "2", "--rollout_batch_size", "2", "--group_size", "4", "--kl_coef", "0",
-                                 "--no-log_reference_kl", "--eval_num_examples", "1", "--eval_max_tokens", "4", "--no-skip_zero_signal"))
+    train_rl.main(train_rl_flags(task, "tied_run", *common, "--no-skip_zero_signal"))
     assert len(updates) == 2
+    # 4 planned optimizer steps: after 2 the cosine is halfway (0.55 of the peak), after 4 at its floor (0.1)
+    planned = [pytest.approx(5.5e-4), pytest.approx(1e-4)]
+    assert [row["train/lr"] for row in steps_log(task, "tied")] == [row["train/lr"] for row in steps_log(task, "tied_run")] == planned
+    train_rl.main(train_rl_flags(task, "tied_entropy", *common, "--entropy_coef", "0.01"))
+    assert len(updates) == 4 and [row["train/zero_signal_batches"] for row in steps_log(task, "tied_entropy")] == [0, 0]
 
 
 @pytest.mark.slow
