@@ -415,7 +415,7 @@ def _add_rl_evaluation_and_logging(parser) -> None:
     reliability.add_argument("--resume", action="store_true", help="continue from the latest training state in --state_dir")
     reliability.add_argument("--skip_zero_signal", action=argparse.BooleanOptionalAction, default=True,
                              help="skip the update when every group's rewards are equal (zero gradient without KL or an entropy bonus; the learning-rate schedule still counts its steps); --no-skip_zero_signal runs it anyway, as the seed and TRL do (benchmarks time it)")
-    reliability.add_argument("--max_skipped_steps", type=_positive_int, default=3, help="stop after this many optimizer steps in a row skipped for a non-finite loss or gradient")
+    reliability.add_argument("--max_skipped_steps", type=_positive_int, default=3, help="stop after this many optimizer steps in a row skipped for a non-finite loss or gradient (counted across batches and over --resume)")
 
 
 def expand_home(args, *flags: str) -> None:

@@ -13,11 +13,12 @@ def build_optimizer(model, learning_rate: float, weight_decay: float, betas=(0.9
     return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, betas=tuple(betas), fused=fused or None)
 
 
-def build_scheduler(optimizer, warmup_steps: int, total_steps: int, schedule: str = "constant") -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer, warmup_steps: int, total_steps: int, schedule: str = "constant", say=print) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up, then constant or cosine decay to 10% of the peak by `total_steps`. A warm-up longer than the
-    run (it counts optimizer steps, not rollout steps) is noted: the rate never reaches its peak."""
+    run (it counts optimizer steps, not rollout steps) is noted (through `say`: rank 0's print under torchrun): the
+    rate never reaches its peak."""
     if warmup_steps > total_steps > 0:
-        print(f"note: --warmup_steps {warmup_steps} is longer than the run's {total_steps} optimizer steps: "
+        say(f"note: --warmup_steps {warmup_steps} is longer than the run's {total_steps} optimizer steps: "
               f"the learning rate ends at {total_steps / warmup_steps:.1%} of its peak")
 
     def factor(step: int) -> float:

@@ -224,8 +224,10 @@ def update_policy(model, optimizer, scheduler, batch, settings: UpdateSettings, 
                 scheduler.step()
                 totals["grad_norm"] += grad_norm.item()
                 totals["optimizer_steps"] += 1
+                totals["skipped_since_last_step"] = 0
             else:
                 totals["skipped_steps"] += 1  # never write NaN/inf into the weights
+                totals["skipped_since_last_step"] += 1  # --max_skipped_steps counts them in a row, across batches too
                 skip_schedule_steps(scheduler, 1)  # the rate stays on its plan
             optimizer.zero_grad(set_to_none=True)
     mismatch = sums.pop("mismatch")
@@ -338,7 +340,7 @@ def _add_mismatch(sums, trainer, sampler, mask, cap=float("inf")):
 
 
 def empty_totals() -> dict:
-    return {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "flops": 0.0, "optimizer_steps": 0, "skipped_steps": 0, "microbatches": 0,
+    return {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0, "tokens": 0, "flops": 0.0, "optimizer_steps": 0, "skipped_steps": 0, "skipped_since_last_step": 0, "microbatches": 0,
             "sampler_abs_diff": 0.0, "sampler_ratio": 0.0, "sampler_ratio_max": 0.0, "sampler_tokens": 0.0, "tis_capped": 0.0}
 
 

@@ -51,6 +51,7 @@ README; the update itself in policy_update.py, the loss math in grpo.py, the sam
 in sampler.py, the logs in run_log.py.
 """
 
+import math
 import os
 import random
 import time
@@ -236,12 +237,17 @@ def optimizer_steps_per_batch(args) -> int:
 def optimizer_and_schedule(args, model, total_steps: int, state: dict | None, say):
     """AdamW and its schedule over every optimizer step of the run; restored from a training state."""
     optimizer = build_optimizer(model, args.learning_rate, args.weight_decay, args.adam_betas)
-    scheduler = build_scheduler(optimizer, args.warmup_steps, total_steps * optimizer_steps_per_batch(args), args.lr_schedule)
+    scheduler = build_scheduler(optimizer, args.warmup_steps, total_steps * optimizer_steps_per_batch(args), args.lr_schedule, say)
     if state:
         distributed.load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_peak_learning_rate(optimizer, scheduler, args.learning_rate)  # a changed --learning_rate takes effect
         say(f"resumed from {args.state_dir} at step {state['step']}")
+        # another --learning_rate, --max_steps, --warmup_steps or --lr_schedule plans the rate anew, as if the run had started with it
+        was, now = state["scheduler"].get("_last_lr", [None])[0], scheduler.get_last_lr()[0]
+        if was is not None and not math.isclose(was, now, rel_tol=1e-6):
+            say(f"resume: the learning rate is now {now:.3g}, where the run left it at {was:.3g}: the changed flags plan it anew "
+                f"over the {total_steps} steps, as if the run had started with them")
     return optimizer, scheduler
 
 
@@ -285,6 +291,8 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         raise UserError(f"the training state in {args.state_dir} has no {', '.join(missing)} in its counters.json (an older version wrote it); "
                         f"start a new run with another --checkpoint_path and --run_name, or {start_over(run_dir, args.state_dir)} to start over")
     progress.update({key: state[key] for key in progress if state and key != "world_size"})
+    # non-finite optimizer steps skipped since the last one taken (--max_skipped_steps); 0 in an older version's state
+    progress["skipped_in_a_row"] = state.get("skipped_in_a_row", 0) if state else 0
     model, sampler, reference_model, speed = build_models(args, base_model_checkpoint_path, state, progress["policy_version"], roles, dtype, policy_dtype,
                                                           tokenizer, ranks, say)
     optimizer, scheduler = optimizer_and_schedule(args, model, total_steps, state, say)
@@ -293,7 +301,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     total_peak = policy_peak_flops(roles, ranks.world_size, args.peak_tflops)
     rollout_sampling = SamplingSettings.from_args(args, "sampling_")
     weights = lambda: ranks.full_weights(model)  # noqa: E731 - the policy's weights, gathered under FSDP
-    skipped_in_a_row, trained_seconds, stopping = 0, 0.0, False
+    trained_seconds, stopping = 0.0, False
     if args.evaluate_at_start and not state:  # step 0: the start checkpoint, evaluated as every later step is
         log.evaluation(0, evaluate_policy(args, sampler, model, tokenizer, eval_set, roles, ranks, 0)[0], args.num_logged_rollouts)
 
@@ -349,10 +357,11 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
             with timed(timings, "sync"):
                 sampler.after_update(progress["policy_version"], weights)  # one step off: queued behind the batches sent ahead
         progress["skipped_steps"] += totals["skipped_steps"]
-        skipped_in_a_row = skipped_in_a_row + 1 if totals["skipped_steps"] and not totals["optimizer_steps"] else 0
-        if skipped_in_a_row >= args.max_skipped_steps:
-            raise UserError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient (step {step}); stopped with the last good "
-                            f"weights untouched ({args.checkpoint_path} / {args.state_dir}); lower --learning_rate or check the data")
+        # optimizer steps in a row, over batches too (a batch that ran none, its groups tied, neither adds nor ends a run of them)
+        progress["skipped_in_a_row"] = totals["skipped_since_last_step"] + (0 if totals["optimizer_steps"] else progress["skipped_in_a_row"])
+        if progress["skipped_in_a_row"] >= args.max_skipped_steps:
+            raise UserError(f"{progress['skipped_in_a_row']} optimizer steps in a row had a non-finite loss or gradient (step {step}); stopped with the "
+                            f"last good weights untouched ({args.checkpoint_path} / {args.state_dir}); lower --learning_rate or check the data")
 
         # --max_train_minutes: this step is the last once the launch has trained that long; it then saves and
         # evaluates as the last step does (the periodic evaluation below would only evaluate the same weights)

@@ -139,6 +139,7 @@ def test_resume_refuses_run_defining_changes_and_applies_safe_ones(pipeline, mon
     train_rl.main(flags(pipeline, "changed", "--save_state_every", "1", "--resume", "--learning_rate", "2e-3", "--evaluate_at_start"))
     out = capsys.readouterr().out
     assert "resume: --learning_rate 0.002 (the run had 0.001) takes effect" in out
+    assert "resume: the learning rate is now 0.002, where the run left it at 0.001: the changed flags plan it anew over the 3 steps" in out
     # a flag that acts only when a run starts is not said to take effect
     assert "resume: --evaluate_at_start True (the run had False) has no effect: step 0 is evaluated when a run starts, not on --resume" in out
     assert "resume: --torch_compile" not in out and "resume: --pack_sequences" not in out  # left at auto both times: no change to report
@@ -148,7 +149,7 @@ def test_resume_refuses_run_defining_changes_and_applies_safe_ones(pipeline, mon
     assert steps[0]["train/lr"] == pytest.approx(1e-3) and steps[2]["train/lr"] == pytest.approx(2e-3)
 
 
-def test_a_resumed_run_continues_the_warmup_and_its_logs_without_a_second_start_evaluation(pipeline, monkeypatch):
+def test_a_resumed_run_continues_the_warmup_and_its_logs_without_a_second_start_evaluation(pipeline, monkeypatch, capsys):
     """--warmup_steps 4 --learning_rate 1e-3 --evaluate_at_start, stopped after its step-1 state and resumed: the
     schedule goes on where it stopped (train/lr after each step 5e-4, 7.5e-4, 1e-3, as without the stop), the
     start evaluation (step 0) is not run again, and TensorBoard keeps step 1's and step 0's points beside the new ones."""
@@ -156,7 +157,9 @@ def test_a_resumed_run_continues_the_warmup_and_its_logs_without_a_second_start_
 
     extra = ("--save_state_every", "1", "--warmup_steps", "4", "--learning_rate", "1e-3", "--evaluate_at_start")
     interrupted_run(pipeline, "warm_resume", monkeypatch, *extra)
+    capsys.readouterr()
     train_rl.main(flags(pipeline, "warm_resume", *extra, "--resume"))
+    assert "resume: the learning rate is now" not in capsys.readouterr().out  # the same plan: nothing to say
     run_dir = pipeline.root / "runs" / "warm_resume"
     assert [s["train/lr"] for s in steps_log(pipeline, "warm_resume")] == pytest.approx([5e-4, 7.5e-4, 1e-3])
     assert [json.loads(line)["step"] for line in (run_dir / "evals.jsonl").read_text().splitlines()] == [0, 3]

@@ -397,6 +397,42 @@ def test_non_finite_steps_apart_are_counted_over_the_run_and_do_not_stop_it(pipe
     assert (final["step"], final["skipped_steps"]) == (4, 2) and metrics["num_examples"] == final["num_examples"] == 4
 
 
+def test_non_finite_steps_in_a_row_are_counted_across_batches_and_over_a_resume(pipeline, monkeypatch):
+    """--max_skipped_steps counts optimizer steps: two batches of two optimizer steps, all four non-finite, are four in a
+    row (it counted batches: 2, under a limit of 3). A run stopped after one non-finite step and resumed into a second one
+    has two in a row (the count started again at 0 on a resume)."""
+    from alignment import policy_update
+
+    current, real_update, real_step, real_save = {}, train_rl.update_policy, policy_update.grpo_microbatch_train_step, train_rl.save_training_state
+
+    def update(*args, **kwargs):
+        current["step"] = kwargs["step"]
+        return real_update(*args, **kwargs)
+
+    def poisoned(*args, **kwargs):
+        loss, meta = real_step(*args, **kwargs)
+        return (loss * float("nan") if current["step"] in (2, 3) else loss), meta
+
+    monkeypatch.setattr(train_rl, "update_policy", update)
+    monkeypatch.setattr(policy_update, "grpo_microbatch_train_step", poisoned)
+    with pytest.raises(UserError, match=r"^4 optimizer steps in a row had a non-finite loss or gradient \(step 3\)"):
+        train_rl.main(flags(pipeline, "nan_batches", "--max_skipped_steps", "3", "--train_batch_size", "8"))
+    assert [s["train/skipped_steps"] for s in steps_log(pipeline, "nan_batches")] == [0, 2]  # step 3 stopped the run before its log line
+
+    def save_then_stop(*args, **kwargs):
+        real_save(*args, **kwargs)
+        if args[6]["step"] == 2:  # the counters: stopped right after the state of the first non-finite step
+            raise RuntimeError("stopped after the step-2 state")
+
+    monkeypatch.setattr(train_rl, "save_training_state", save_then_stop)
+    resumable = flags(pipeline, "nan_resumed", "--max_skipped_steps", "2", "--save_state_every", "1")
+    with pytest.raises(RuntimeError, match="stopped after the step-2 state"):
+        train_rl.main(resumable)
+    monkeypatch.setattr(train_rl, "save_training_state", real_save)
+    with pytest.raises(UserError, match=r"^2 optimizer steps in a row had a non-finite loss or gradient \(step 3\)"):
+        train_rl.main([*resumable, "--resume"])
+
+
 def test_zero_signal_batches_are_skipped(pipeline):
     no_kl = without_flag(flags(pipeline, "flat"), "--kl_coef") + ["--max_steps", "2"]
     train_rl.main(no_kl)
