@@ -1,0 +1,68 @@
+"""bench/group_signal.py: the pass-rate model fitted to a run's tied-group logs, checked on groups sampled from a known spread."""
+
+import importlib.util
+import json
+import random
+
+import pytest
+
+from alignment.errors import UserError
+from conftest import REPO_ROOT
+
+spec = importlib.util.spec_from_file_location("group_signal", REPO_ROOT / "bench" / "group_signal.py")
+group_signal = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(group_signal)
+
+
+def sampled_steps(a: float, b: float, group_size: int, steps: int, prompts: int, seed: int = 0) -> list[dict]:
+    """steps.jsonl rows as train_rl logs them, for prompts whose pass rates are drawn from Beta(a, b) and whose
+    groups are sampled as 0/1 rewards."""
+    rng, rows = random.Random(seed), []
+    for step in range(1, steps + 1):
+        groups = [[float(rng.random() < p) for _ in range(group_size)] for p in (rng.betavariate(a, b) for _ in range(prompts))]
+        right = sum(all(group) for group in groups) / prompts
+        rows.append({"step": step, "train/reward": sum(map(sum, groups)) / (prompts * group_size), "train/fraction_groups_all_right": right,
+                     "train/fraction_groups_all_equal": right + sum(not any(group) for group in groups) / prompts})
+    return rows
+
+
+def mixed_fraction(a: float, b: float, group_size: int, prompts: int, seed: int) -> float:
+    """The fraction of sampled groups whose rewards differ, counted."""
+    rows = sampled_steps(a, b, group_size, 1, prompts, seed)
+    return 1 - rows[0]["train/fraction_groups_all_equal"]
+
+
+def test_the_fit_recovers_a_known_spread_and_predicts_other_group_sizes():
+    """Pass rates from Beta(0.7, 0.2) (the shape the 1.5B's base-start runs fit), groups of 8: the fit finds the spread
+    from the reward and the all-right fraction, matches the all-wrong fraction it did not use, and predicts the mixed
+    fraction of groups of 4 and 16 as they come out when sampled."""
+    rows = sampled_steps(0.7, 0.2, 8, steps=200, prompts=100, seed=1)
+    result = group_signal.analyse(rows, group_size=8, sizes=[4, 8, 16], from_step=1, label="sampled")
+    assert result["steps"] == 200
+    assert result["beta"] == [pytest.approx(0.7, rel=0.1), pytest.approx(0.2, rel=0.1)]
+    assert result["all_wrong_fitted"] == pytest.approx(result["all_wrong"], abs=0.005)
+    for size in (4, 16):
+        assert result["sizes"][size]["mixed"] == pytest.approx(mixed_fraction(0.7, 0.2, size, prompts=20000, seed=size), abs=0.015)
+    # a spread with more mass in the middle gives more mixed groups of 8: the model tells the two apart
+    flatter = group_signal.analyse(sampled_steps(2.0, 0.6, 8, steps=100, prompts=100, seed=2), 8, [8], 1, "flatter")
+    assert flatter["beta"] == [pytest.approx(2.0, rel=0.15), pytest.approx(0.6, rel=0.15)]
+    assert flatter["sizes"][8]["mixed"] > result["sizes"][8]["mixed"] + 0.2
+    assert result["sizes"][8]["mixed_per_1000_samples"] == pytest.approx(1000 * result["sizes"][8]["mixed"] / 8)
+
+
+def test_the_cli_reads_a_run_folder_from_a_step_on_and_refuses_logs_no_spread_fits(tmp_path, capsys):
+    run = tmp_path / "runs" / "rl"
+    run.mkdir(parents=True)
+    early = sampled_steps(0.05, 0.95, 8, 9, 50)  # before the format is learned: nearly every group all wrong
+    later = [{**row, "step": row["step"] + 9} for row in sampled_steps(0.7, 0.2, 8, 100, 100, seed=3)]
+    (run / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in early + later))
+    results = group_signal.main([str(run), "--from_step", "10", "--sizes", "8", "16", "--out", str(tmp_path / "signal.json")])
+    out = capsys.readouterr().out
+    assert out.startswith("rl: 100 steps from step 10, groups of 8: reward 0.7")  # the early steps (every group tied) left out
+    assert json.loads((tmp_path / "signal.json").read_text())[0]["beta"] == pytest.approx(results[0]["beta"])
+    assert results[0]["beta"] == [pytest.approx(0.7, rel=0.15), pytest.approx(0.2, rel=0.15)]
+    assert group_signal.main([str(run)])[0]["reward"] < results[0]["reward"] - 0.05  # from step 1 the early steps count
+    with pytest.raises(UserError, match=r"^rl: a reward of 0.7\d\d with 0.5\d\d of the groups of 2 all right fits no spread of pass rates .*check --group_size"):
+        group_signal.main([str(run), "--from_step", "10", "--group_size", "2"])  # the runs' group size mistyped: more groups of 2 would be all right
+    with pytest.raises(UserError, match=r"^rl: no step from --from_step 500 on logs train/reward"):
+        group_signal.main([str(run), "--from_step", "500"])
