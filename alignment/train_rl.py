@@ -39,8 +39,8 @@ Where the algorithm departs from the seed, each one flag away from the seed's be
 - additions, off by default unless said: --kl_coef (k3 KL to the reference; mean KL
   is logged either way), --length_normalization constant (Dr. GRPO) / token_mean (DAPO),
   --cliprange_high (DAPO), --epochs_per_rollout_batch / --train_batch_size,
-  --no-use_std_normalization (Dr. GRPO), batches whose groups all tie are skipped
-  (--no-skip_zero_signal runs them, as the seed did);
+  --no-use_std_normalization (Dr. GRPO), batches whose groups all tie are skipped, their
+  steps still counted by the learning-rate schedule (--no-skip_zero_signal runs them, as the seed did);
 - objective variants, all off by default (grpo.py has each formula and its source):
   --loss_type gspo / cispo, --dynamic_sampling and --overlong mask|penalty (DAPO),
   --entropy_coef, --kl_estimator k1|k2 and --kl_in reward, --mismatch_correction
