@@ -367,11 +367,8 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_state(pipeline, mo
     assert all(torch.equal(state[k], start[k]) for k in start)  # no NaN ever reached the weights
 
 
-def test_non_finite_steps_apart_are_counted_over_the_run_and_do_not_stop_it(pipeline, monkeypatch):
-    """Steps 1 and 3 of 4 have a NaN loss, steps 2 and 4 are good; --max_skipped_steps 2 counts skips in a row,
-    so the run finishes. train/skipped_steps is the running total (1, 1, 2, 2) and the final evaluation records 2;
-    a skipped step does not change the weights, so the seed's frozen sampler (--rollout_sync_every 0) lags the
-    policy by the good updates only: train/staleness 0, 0, 1, 1."""
+def poison_losses_of_steps(monkeypatch, steps: tuple[int, ...]) -> None:
+    """Every microbatch loss of the rollout steps `steps` becomes NaN (train_rl's update sees which step it is in)."""
     from alignment import policy_update
 
     current, real_update, real_step = {}, train_rl.update_policy, policy_update.grpo_microbatch_train_step
@@ -382,10 +379,18 @@ def test_non_finite_steps_apart_are_counted_over_the_run_and_do_not_stop_it(pipe
 
     def poisoned(*args, **kwargs):
         loss, meta = real_step(*args, **kwargs)
-        return (loss * float("nan") if current["step"] in (1, 3) else loss), meta
+        return (loss * float("nan") if current["step"] in steps else loss), meta
 
     monkeypatch.setattr(train_rl, "update_policy", update)
     monkeypatch.setattr(policy_update, "grpo_microbatch_train_step", poisoned)
+
+
+def test_non_finite_steps_apart_are_counted_over_the_run_and_do_not_stop_it(pipeline, monkeypatch):
+    """Steps 1 and 3 of 4 have a NaN loss, steps 2 and 4 are good; --max_skipped_steps 2 counts skips in a row,
+    so the run finishes. train/skipped_steps is the running total (1, 1, 2, 2) and the final evaluation records 2;
+    a skipped step does not change the weights, so the seed's frozen sampler (--rollout_sync_every 0) lags the
+    policy by the good updates only: train/staleness 0, 0, 1, 1."""
+    poison_losses_of_steps(monkeypatch, (1, 3))
     metrics = train_rl.main(flags(pipeline, "nan_apart", "--max_skipped_steps", "2", "--rollout_sync_every", "0", "--lr_schedule", "cosine",
                                   "--learning_rate", "1e-3"))
     logged = steps_log(pipeline, "nan_apart")
@@ -401,20 +406,8 @@ def test_non_finite_steps_in_a_row_are_counted_across_batches_and_over_a_resume(
     """--max_skipped_steps counts optimizer steps: two batches of two optimizer steps, all four non-finite, are four in a
     row (it counted batches: 2, under a limit of 3). A run stopped after one non-finite step and resumed into a second one
     has two in a row (the count started again at 0 on a resume)."""
-    from alignment import policy_update
-
-    current, real_update, real_step, real_save = {}, train_rl.update_policy, policy_update.grpo_microbatch_train_step, train_rl.save_training_state
-
-    def update(*args, **kwargs):
-        current["step"] = kwargs["step"]
-        return real_update(*args, **kwargs)
-
-    def poisoned(*args, **kwargs):
-        loss, meta = real_step(*args, **kwargs)
-        return (loss * float("nan") if current["step"] in (2, 3) else loss), meta
-
-    monkeypatch.setattr(train_rl, "update_policy", update)
-    monkeypatch.setattr(policy_update, "grpo_microbatch_train_step", poisoned)
+    real_save = train_rl.save_training_state
+    poison_losses_of_steps(monkeypatch, (2, 3))
     with pytest.raises(UserError, match=r"^4 optimizer steps in a row had a non-finite loss or gradient \(step 3\)"):
         train_rl.main(flags(pipeline, "nan_batches", "--max_skipped_steps", "3", "--train_batch_size", "8"))
     assert [s["train/skipped_steps"] for s in steps_log(pipeline, "nan_batches")] == [0, 2]  # step 3 stopped the run before its log line
