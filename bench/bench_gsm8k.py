@@ -36,11 +36,16 @@ flag's last value, so FLAGS override the recipe's); `--rl_minutes` ends each RL 
 the step whose training time reaches that many minutes (train_rl's --max_train_minutes:
 the run still saves and makes its final evaluation), so a sweep fits a time budget; TRL
 gets the same limit (bench_trl.py's --max_train_minutes), and its last round is evaluated too. Every RL run evaluates its start checkpoint as step 0 (`--evaluate_at_start`).
+Each run's flags go through train_rl's own checks before any stage runs. In the summary a variant keeps its
+name (with `--no-recipe` none stands for the recipe); a run that `--rl_deadline_minutes` stopped is listed in
+`stopped_at_deadline` (its curve ends where it was cut, without the final save and evaluation), and a run the
+deadline would meet before it starts is not started.
 Every evaluation is greedy at the recipe's repetition penalty (train_rl's --eval_repetition_penalty), so a variant
 that samples its rollouts with another `--repetition_penalty` is evaluated as the others are.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -160,7 +165,11 @@ class Lane:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
-                code = 0
+                (self.out / f"{stage}.deadline").write_text(f"stopped by --rl_deadline_minutes at {time.strftime('%Y-%m-%d %H:%M:%S')}, "
+                                                            f"exit {process.returncode}\n")  # the summary marks the run as cut
+                print(f"[{self.name}] {stage}: stopped at the deadline (exit {process.returncode}) after {(time.perf_counter() - started) / 60:.1f} min",
+                      flush=True)
+                return (time.perf_counter() - started) / 60
         minutes = (time.perf_counter() - started) / 60
         print(f"[{self.name}] {stage}: exit {code} after {minutes:.1f} min", flush=True)
         if code:
@@ -289,6 +298,9 @@ def main():
     args.eval_num_examples = 8 if args.tiny else None  # None: the whole test split (1,319)
     args.eval_max_tokens = 32 if args.tiny else 1024
     args.device_name = "cpu" if args.device == "cpu" else "cuda:0"  # each lane sees its own GPU as cuda:0
+    check_run_flags(args, [("rl", [])] * args.recipe + variants)
+    if args.trl and not trl_installed():
+        raise SystemExit("--trl: the trl package is not installed here (bench_trl.py needs trl==1.16.0): install it, or add --no-trl")
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + 60 * args.rl_deadline_minutes if args.rl_deadline_minutes else None
     gpus = [g.strip() for g in args.gpus.split(",")] if args.device == "cuda" else [None]
@@ -325,6 +337,9 @@ def main():
 
     # 3-4. ours (the recipe, then each variant, one after another) and TRL from the same start
     def one_rl(name: str, extra: list[str]):
+        if deadline is not None and time.time() >= deadline:  # it would be stopped within its engine start
+            print(f"[ours] {name}: not started, --rl_deadline_minutes {args.rl_deadline_minutes:g} has passed", flush=True)
+            return
         ours.run(name, rl_command(args, start, name) + extra, deadline)
 
     def our_rl():
@@ -352,9 +367,10 @@ def main():
 def summary_runs(out: Path, recipe: bool, variants: list[str]) -> tuple[str | None, list[str]]:
     """(our run, the variants) for the summary: this call's runs and those an earlier call left in
     `out` (a variant added later with --no-recipe), the recipe's "rl" as ours whenever it ran there, so that no
-    call's summary drops the other's runs or reports a variant as the recipe. Our run None: TRL alone."""
+    call's summary drops the other's runs or reports a variant as the recipe. Our run None: no recipe run (the variants
+    and TRL, under their own names), as --summarize_only finds the folder too."""
     earlier = sorted(path.name for path in (out / "runs").glob("*") if path.name != "sft" and (path / "steps.jsonl").is_file())
-    ours = "rl" if recipe or "rl" in earlier else variants[0] if variants else None
+    ours = "rl" if recipe or "rl" in earlier else None
     return ours, [name for name in dict.fromkeys([*variants, *earlier]) if name != ours]
 
 
@@ -408,6 +424,31 @@ def rl_command(args, start: Path, name: str) -> list[str]:
     return command
 
 
+def trl_installed() -> bool:
+    return importlib.util.find_spec("trl") is not None
+
+
+def check_run_flags(args, runs: list[tuple[str, list[str]]]) -> None:
+    """Each run's train_rl command line through train_rl's own parser and checks, before any stage: a variant train_rl
+    refuses (a batch its group size does not divide, flags that do not combine) stops the call in one line, not
+    after the evaluations and the runs before it."""
+    import contextlib
+    import io
+
+    from alignment.args import parse_rl_args
+    from alignment.errors import UserError
+
+    for name, extra in runs:
+        argv, said = rl_command(args, args.model, name)[3:] + extra, io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                parse_rl_args(argv)
+        except UserError as error:
+            raise SystemExit(f"--variant {name}: train_rl refuses its flags: {error}") from None
+        except SystemExit:  # argparse: an unknown flag or a bad value, its message the last line it wrote
+            raise SystemExit(f"--variant {name}: train_rl refuses its flags: {said.getvalue().strip().splitlines()[-1]}") from None
+
+
 def parse_variant(text: str) -> tuple[str, list[str]]:
     """`NAME=FLAGS` -> (NAME, FLAGS split as a shell would)."""
     import shlex
@@ -449,6 +490,8 @@ def write_summary(out: Path, model, gpus: str, rl: dict, rl_run: str | None = "r
                          "(eval_base/metrics.json): pass the --out a run wrote (nothing was changed)")
     if rl_run is not None:
         summary.update(read_ours(out / "runs" / rl_run))
+    # runs the deadline stopped: their curves end where they were cut, without the final save and evaluation
+    summary["stopped_at_deadline"] = sorted(path.stem for path in out.glob("*.deadline"))
     summary["variants"] = {name: read_ours(out / "runs" / name) for name in variant_runs if name != rl_run and (out / "runs" / name / "steps.jsonl").is_file()}
     summary["eval_trl"] = {int(path.name.rpartition("_")[2]): json.loads((path / "metrics.json").read_text())
                            for path in out.glob(f"eval_{trl_dir}_*") if (path / "metrics.json").is_file()}
@@ -532,7 +575,8 @@ def draw(summary: dict, path: Path) -> None:
     variants = {name: [(0, 0.0, start)] + [(e["step"], e["train_minutes"], e["accuracy"]) for e in run["ours_evals"] if e["step"] > 0]
                 for name, run in summary.get("variants", {}).items()}
     for axis, index, label in ((axes[0], 0, "RL step"), (axes[1], 1, "training minutes (evaluations excluded)")):
-        axis.plot([p[index] for p in ours], [p[2] for p in ours], marker="o", markersize=3, label="alignment train_rl")
+        if summary.get("ours_evals"):  # the recipe's run
+            axis.plot([p[index] for p in ours], [p[2] for p in ours], marker="o", markersize=3, label="alignment train_rl")
         for name, points in variants.items():
             axis.plot([p[index] for p in points], [p[2] for p in points], marker=".", markersize=3, label=f"train_rl {name}")
         if len(trl) > 1:
@@ -541,8 +585,10 @@ def draw(summary: dict, path: Path) -> None:
         axis.set_ylabel("GSM8K test accuracy (greedy, 1,319)", fontsize=8)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
-    for key, label in (("ours_train_reward", "alignment train_rl"), ("trl_train_reward", "TRL GRPOTrainer")):
-        points = [(s, r) for s, r in summary.get(key, []) if r is not None]
+    rewards = [(summary.get("ours_train_reward", []), "alignment train_rl"), (summary.get("trl_train_reward", []), "TRL GRPOTrainer"),
+               *((run.get("ours_train_reward", []), f"train_rl {name}") for name, run in summary.get("variants", {}).items())]
+    for rows, label in rewards:
+        points = [(s, r) for s, r in rows if r is not None]
         if points:
             axes[2].plot([s for s, _ in points], [r for _, r in points], label=label, alpha=0.8)
     axes[2].set_xlabel("RL step", fontsize=8)

@@ -360,7 +360,7 @@ def test_a_second_gsm8k_call_into_the_same_out_keeps_the_first_calls_runs_in_the
     assert summary_runs(tmp_path, False, ["lr4"]) == ("rl", ["lr4", "clip"])
     assert summary_runs(tmp_path, True, []) == ("rl", ["clip", "lr4"])
     (tmp_path / "runs" / "rl" / "steps.jsonl").unlink()
-    assert summary_runs(tmp_path, False, ["lr4"]) == ("lr4", ["clip"])
+    assert summary_runs(tmp_path, False, ["lr4"]) == (None, ["lr4", "clip"])  # no recipe run: a variant keeps its name, as --summarize_only finds it
     assert summary_runs(tmp_path / "none", False, []) == (None, [])
 
 
@@ -834,6 +834,7 @@ def _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, accuracies, *flags, 
         return 0.0
 
     monkeypatch.setattr(bench_gsm8k.Lane, "run", run)
+    monkeypatch.setattr(bench_gsm8k, "trl_installed", lambda: True)  # its stage is recorded, not run
     monkeypatch.setattr(sys, "argv", ["bench_gsm8k.py", "--model", str(tmp_path / "model"), "--out", str(out), *flags])
     bench_gsm8k.main()
     return stages, json.loads((out / "summary.json").read_text())
@@ -933,6 +934,31 @@ def test_gsm8k_refuses_flag_combinations_and_starts_that_it_cannot_run_before_an
     (out / "sft" / "alignment_manifest.json").write_text(json.dumps({"written_by": "alignment", "kind": "sft_checkpoint", "start_model": "/elsewhere/tiny"}))
     stages, summary = _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, {"eval_base": 0.5}, "--no-trl")
     assert list(stages) == ["eval_base", "rl"] and summary["rl_start"] == "base"
+    # a variant train_rl would refuse stops the call before the base evaluation, not after it and the runs before it
+    shutil.rmtree(out)
+    for flags, message in ((["--variant", "g3=--group_size 3"], "--variant g3: train_rl refuses its flags: --train_batch_size 128 must divide the 96 "
+                                                                  "rollouts per batch (--rollout_batch_size 32 x --group_size 3)"),
+                           (["--variant", "x=--bogus 1"], "--variant x: train_rl refuses its flags: ")):
+        with pytest.raises(SystemExit, match="^" + re.escape(message)):
+            _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, {"eval_base": 0.5}, "--no-trl", *flags)
+        assert not out.exists()
+    # variants alone: each under its own name; no recipe curve ("alignment train_rl") is made of the first one
+    stages, summary = _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, {"eval_base": 0.5}, "--no-trl", "--no-recipe", "--variant", "a=--seed 1",
+                                                       "--variant", "b=--seed 2")
+    assert list(stages) == ["eval_base", "a", "b"] and "ours_evals" not in summary and sorted(summary["variants"]) == ["a", "b"]
+    assert summary["stopped_at_deadline"] == []
+
+
+def test_gsm8k_with_trl_asked_for_and_not_installed_stops_before_any_stage(monkeypatch, tmp_path):
+    """The default --trl where trl is not installed: it ran the evaluations and our runs, then reported only "trl failed"."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    import bench_gsm8k
+
+    monkeypatch.setattr(bench_gsm8k.Lane, "run", lambda *_, **__: pytest.fail("a stage ran"))
+    monkeypatch.setattr(bench_gsm8k, "trl_installed", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["bench_gsm8k.py", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=r"^--trl: the trl package is not installed here \(bench_trl.py needs trl==1.16.0\): install it, or add --no-trl$"):
+        bench_gsm8k.main()
 
 
 def test_gsm8k_stage_past_the_deadline_is_stopped_and_reported_and_a_failed_stage_stops_the_benchmark(monkeypatch, tmp_path):
@@ -952,6 +978,8 @@ def test_gsm8k_stage_past_the_deadline_is_stopped_and_reported_and_a_failed_stag
     header, output = (tmp_path / "sleeper.log").read_text().splitlines()
     assert header.startswith("=== ") and header.endswith(" -c import os, time; print(os.environ['CUDA_VISIBLE_DEVICES']); time.sleep(60)")
     assert output == "1"  # its output logged, on the lane's GPU
+    # marked as cut, with the exit it really had (SIGTERM's), for the summary's stopped_at_deadline
+    assert re.fullmatch(r"stopped by --rl_deadline_minutes at .*, exit -15\n", (tmp_path / "sleeper.deadline").read_text())
     # a stage run again (a second call into the same --out) adds its log below the first one's, which was emptied before
     for _ in range(2):
         with pytest.raises(SystemExit, match=re.escape(f"broken failed (exit 3); see {tmp_path / 'broken.log'}")):
