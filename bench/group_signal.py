@@ -19,13 +19,10 @@ import argparse
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from alignment.errors import UserError, run_cli  # noqa: E402
-from alignment.plot import load_runs  # noqa: E402
+from alignment.errors import UserError, run_cli
+from alignment.plot import load_runs
 
 LOGGED = ("train/reward", "train/fraction_groups_all_right", "train/fraction_groups_all_equal")
 
