@@ -155,6 +155,7 @@ class Lane:
             log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
             log.flush()
             process = subprocess.Popen(command, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            cut = False
             try:
                 code = process.wait(timeout=None if deadline is None else max(deadline - time.time(), 1))
             except subprocess.TimeoutExpired:
@@ -165,14 +166,12 @@ class Lane:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
+                code, cut = process.returncode, True
                 (self.out / f"{stage}.deadline").write_text(f"stopped by --rl_deadline_minutes at {time.strftime('%Y-%m-%d %H:%M:%S')}, "
-                                                            f"exit {process.returncode}\n")  # the summary marks the run as cut
-                print(f"[{self.name}] {stage}: stopped at the deadline (exit {process.returncode}) after {(time.perf_counter() - started) / 60:.1f} min",
-                      flush=True)
-                return (time.perf_counter() - started) / 60
+                                                            f"exit {code}\n")  # the summary marks the run as cut
         minutes = (time.perf_counter() - started) / 60
-        print(f"[{self.name}] {stage}: exit {code} after {minutes:.1f} min", flush=True)
-        if code:
+        print(f"[{self.name}] {stage}: {'stopped at the deadline ' if cut else ''}exit {code} after {minutes:.1f} min", flush=True)
+        if code and not cut:
             raise SystemExit(f"{stage} failed (exit {code}); see {self.out / f'{stage}.log'}")
         return minutes
 
@@ -439,7 +438,7 @@ def check_run_flags(args, runs: list[tuple[str, list[str]]]) -> None:
     from alignment.errors import UserError
 
     for name, extra in runs:
-        argv, said = rl_command(args, args.model, name)[3:] + extra, io.StringIO()
+        argv, said = rl_command(args, args.model, name)[3:] + extra, io.StringIO()  # without `python -m alignment.train_rl`
         try:
             with contextlib.redirect_stderr(said):
                 parse_rl_args(argv)
