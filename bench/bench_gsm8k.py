@@ -609,7 +609,11 @@ def print_table(summary: dict) -> None:
             print(f"{name} step {e['step']:>4}: accuracy {e['accuracy']:.3f} after {e['train_minutes']:.1f} training minutes")
     for step, e in sorted(summary.get("eval_trl", {}).items(), key=lambda item: int(item[0])):
         print(f"TRL  step {int(step):>4}: accuracy {e['avg_all_rewards']:.3f} after {summary.get('trl_train_minutes', {}).get(int(step), float('nan')):.1f} training minutes")
-    print(f"median seconds per step: ours {summary.get('ours_median_seconds')} | TRL {summary.get('trl_median_seconds')}")
+    for name, run in [("ours", summary), *summary.get("variants", {}).items()]:
+        if run.get("ours_median_seconds"):  # under --no-recipe only the variants have one
+            print(f"median seconds per step, {name}: {run['ours_median_seconds']}")
+    if summary.get("trl_median_seconds"):
+        print(f"median seconds per rollout step, TRL: {summary['trl_median_seconds']}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ in seconds (what CI runs). Tokenizer: a byte-level BPE trained on GSM8K text, so
 r1_zero prompts come out near Qwen's ~150 tokens.
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -15,10 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from transformers import Qwen2Config
+if importlib.util.find_spec("alignment") is None:  # the benchmarks import the package installed from this checkout
+    raise SystemExit("bench: the alignment package is not importable by this Python: run `pip install --no-deps -e .` in the "
+                     "checkout, or set PYTHONPATH to the checkout")
 
-from alignment.toy.tiny_model import tiny_qwen2_config, train_byte_level_tokenizer
+import torch  # noqa: E402
+from transformers import Qwen2Config  # noqa: E402
+
+from alignment.toy.tiny_model import tiny_qwen2_config, train_byte_level_tokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -364,6 +364,32 @@ def test_a_second_gsm8k_call_into_the_same_out_keeps_the_first_calls_runs_in_the
     assert summary_runs(tmp_path / "none", False, []) == (None, [])
 
 
+def test_a_benchmark_run_where_the_package_is_not_importable_says_how_to_install_it(tmp_path):
+    """Without the editable install (a GPU machine with its own Python), bench_gsm8k.py ended in a traceback from
+    common.py's import. `python -S` leaves site-packages, and so the installed package, out of the path."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-S", str(REPO_ROOT / "bench" / "bench_gsm8k.py"), "--help"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == ("bench: the alignment package is not importable by this Python: run `pip install --no-deps -e .` "
+                                     "in the checkout, or set PYTHONPATH to the checkout")
+
+
+def test_gsm8k_table_prints_each_runs_step_time_when_only_variants_ran(monkeypatch, capsys):
+    """--no-recipe --variant mb8k=...: the summary's step times are the variant's; the table printed "ours None" and
+    left the variant's out."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    from bench_gsm8k import print_table
+
+    variant = {"ours_evals": [{"step": 10, "accuracy": 0.645, "train_minutes": 2.0}], "ours_median_seconds": {"step": 8.95, "rollout": 4.76}}
+    print_table({"rl_start": "base", "eval_base": {"avg_all_rewards": 0.211}, "variants": {"mb8k": variant},
+                 "eval_trl": {10: {"avg_all_rewards": 0.659}}, "trl_train_minutes": {10: 3.9}, "trl_median_seconds": {"step": 22.3}})
+    out = capsys.readouterr().out
+    assert "mb8k step   10: accuracy 0.645 after 2.0 training minutes" in out
+    assert "median seconds per step, mb8k: {'step': 8.95, 'rollout': 4.76}" in out and "median seconds per rollout step, TRL: {'step': 22.3}" in out
+    assert "None" not in out and "ours" not in out
+
+
 def test_gsm8k_summary_of_a_trl_only_run_has_trls_rows_and_none_of_ours(monkeypatch, tmp_path, capsys):
     """--no-recipe without --variant runs TRL alone: the summary has TRL's evaluations, its rollout-step timings
     (two optimizer steps per rollout step, summed) and no run of ours."""
