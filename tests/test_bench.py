@@ -819,10 +819,11 @@ def test_bench_model_cache_never_takes_a_cut_short_build_and_never_writes_into_a
     assert target.stat().st_mode & 0o777 == 0o750
 
 
-def _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, accuracies, *flags, trl_fails=False):
+def _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, accuracies, *flags, trl_fails=False, after_stage=None):
     """bench_gsm8k's main as a user calls it, each stage recorded instead of run: an evaluation writes the metrics.json
     of each of its --output_dir (accuracy from `accuracies`, by folder name), train_rl the logs of its --run_name, TRL two
-    complete checkpoints (rounds 1 and 2) and its steps log. Returns {stage: what ran it} and the summary it wrote."""
+    complete checkpoints (rounds 1 and 2) and its steps log; `after_stage(stage)`, if given, is called after each.
+    Returns {stage: what ran it} and the summary it wrote."""
     monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
     import bench_gsm8k
 
@@ -857,6 +858,8 @@ def _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, accuracies, *flags, 
                 (out / "trl" / folder / "trainer_state.json").write_text("{}")
             rows = [{"step": step, "rollout_step": (step + 1) // 2, "step_seconds": 3.0, "elapsed_seconds": 3.0 * step, "timers": {}} for step in (1, 2, 3, 4)]
             (out / "trl" / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        if after_stage:
+            after_stage(stage)
         return 0.0
 
     monkeypatch.setattr(bench_gsm8k.Lane, "run", run)
@@ -897,6 +900,24 @@ def test_gsm8k_rule_starts_rl_and_trl_from_sft_on_a_tie_each_run_on_its_gpu_with
     # step 1 (the compile) left out of the median; training minutes without the evaluations; step 4's evaluation after the last logged step
     assert summary["ours_median_seconds"]["step"] == 11.0
     assert [(e["step"], e["accuracy"], e["train_minutes"]) for e in summary["ours_evals"]] == [(0, 0.5, 0.0), (2, 0.7, 0.7), (4, 0.75, 0.8)]
+
+
+def test_gsm8k_a_run_whose_turn_comes_after_the_deadline_is_not_started(monkeypatch, tmp_path, capsys):
+    """--rl_deadline_minutes 30 with a variant after the recipe: the recipe's run ends past the deadline, so the variant
+    would be stopped within its engine start; it is not started, and the summary has the recipe alone."""
+    import time
+
+    real_time = time.time
+
+    def the_clock_passes_the_deadline(stage):
+        if stage == "rl":
+            monkeypatch.setattr(time, "time", lambda: real_time() + 31 * 60)
+
+    stages, summary = _gsm8k_main_with_stages_recorded(monkeypatch, tmp_path, {"eval_base": 0.2}, "--no-trl", "--rl_deadline_minutes", "30",
+                                                       "--variant", "lr4=--learning_rate 4e-6", after_stage=the_clock_passes_the_deadline)
+    assert list(stages) == ["eval_base", "rl"]
+    assert "[ours] lr4: not started, --rl_deadline_minutes 30 has passed" in capsys.readouterr().out
+    assert [e["step"] for e in summary["ours_evals"]] == [0, 2, 4] and summary.get("variants", {}) == {}
 
 
 def test_gsm8k_rule_starts_from_the_base_model_when_it_scores_higher_and_the_default_trains_no_sft(monkeypatch, tmp_path):
