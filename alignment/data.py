@@ -52,6 +52,9 @@ def extract_ground_truth(answer: str) -> str:
     final = answer.rsplit("####", 1)[1].strip()
     if not final:
         raise ValueError("answer has an empty final answer after '####'")
+    if "\n" in final:  # the last `#### 7` cut off, a `####` quoted in the reasoning left: the rest became the ground truth
+        raise ValueError("the text after the last '####' runs over several lines, where GSM8K's final answer is one line; "
+                         "fix or remove that row")
     return final.replace(",", "")
 
 
@@ -117,6 +120,8 @@ def _read_rows(path: Path) -> list[dict]:
             for key in ("question", "answer"):
                 if not isinstance(row.get(key), str):
                     raise UserError(f"{where}: missing string field '{key}'")
+                if not row[key].strip():  # a prompt with no question in it would be trained and graded as one
+                    raise UserError(f"{where}: '{key}' is empty; fix or remove that row")
                 try:
                     row[key].encode("utf-8")
                 except UnicodeEncodeError as error:  # a JSON escape such as "\udc80": a lone surrogate is no character
@@ -179,6 +184,17 @@ class Gsm8kDataset(Dataset):
         return self.prompts[index], self.completions[index], self.ground_truths[index]
 
 
+def check_held_out(train: Gsm8kDataset, held_out: Gsm8kDataset) -> None:
+    """No problem of the held-out split may be one the run trains on: a test.jsonl copied from train.jsonl (or sharing
+    rows with it) was trained on and then graded as held out, and the accuracy read as generalisation."""
+    trained = set(train.prompts)
+    shared = [where for prompt, where in zip(held_out.prompts, held_out.sources) if prompt in trained]
+    if shared:
+        raise UserError(f"{shared[0]}: {len(shared)} of the {len(held_out)} evaluation problems are also training problems "
+                        f"({train.sources[0].rpartition(':')[0]}), so the run would be graded on what it trained on; remove them from one "
+                        "of the two files (nothing was changed)")
+
+
 def download_gsm8k(data_dir: str | os.PathLike = DEFAULT_DATA_DIR, force: bool = False) -> None:
     """Fetch `openai/gsm8k` (config `main`) with `datasets` and write the jsonl files.
 
@@ -197,7 +213,13 @@ def download_gsm8k(data_dir: str | os.PathLike = DEFAULT_DATA_DIR, force: bool =
     texts = {split: "".join(json.dumps({"question": row["question"], "answer": row["answer"]}, ensure_ascii=False) + "\n" for row in dataset[split])
              for split in SPLITS}
     paths = {split: split_path(data_dir, split) for split in SPLITS}
-    differing = [paths[split] for split in SPLITS if paths[split].is_file() and paths[split].read_bytes() != texts[split].encode("utf-8")]
+    differing = []
+    for split, path in paths.items():
+        try:
+            if path.is_file() and path.read_bytes() != texts[split].encode("utf-8"):
+                differing.append(path)
+        except OSError as error:  # EIO, a permission error: nothing is replaced that could not be compared
+            raise _unreadable(path, error) from None
     if differing and not force:
         raise UserError(f"{' and '.join(str(path) for path in differing)} already there with other rows than openai/gsm8k's (edited, or another copy; "
                         f"a training state's --resume checks train.jsonl); pass --force to replace them, or move them away (nothing was changed)")
@@ -226,6 +248,9 @@ def main(argv=None) -> None:
     parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR, help="folder for train.jsonl and test.jsonl")
     parser.add_argument("--force", action="store_true", help="download: replace files there that hold other rows (kept otherwise)")
     args = parser.parse_args(argv)
+    if args.force and args.command != "download":
+        parser.error("--force applies to download only (check reads the files and changes nothing)")
+    args.data_dir = os.path.expanduser(args.data_dir)  # `--data_dir=~/gsm8k` (no shell expands it) names the home folder, as train_rl reads it
     if args.command == "download":
         download_gsm8k(args.data_dir, args.force)
     for split in SPLITS:

@@ -68,7 +68,7 @@ from alignment.args import (build_sft_parser, check_checkpoint, check_checkpoint
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_start_kept, check_writable, claim_log_folder, folder_fingerprint, forget_run_from,
                                   has_training_state, load_training_state, read_manifest, real_output_path, recover_checkpoint, record_run_from, remove_output, same_path,
                                   save_model_atomically, save_training_state, start_over, state_step)
-from alignment.data import Gsm8kDataset, data_fingerprint, split_path
+from alignment.data import Gsm8kDataset, check_held_out, data_fingerprint, split_path
 from alignment.devices import format_role_table, one_device_roles, resolve_dtype, resolve_role_devices
 from alignment.distributed import check_fsdp_sizes, rank_slice, reduce_reward_meta, reduce_totals, save_policy
 from alignment.drgrpo_grader import grade_responses, r1_zero_reward_fn
@@ -184,6 +184,8 @@ def load_prompts(args, tokenizer, base_model_checkpoint_path) -> tuple[Gsm8kData
     responses, the rollout steps per pass over the train split, and the run's step count."""
     dataset = Gsm8kDataset("train", args.data_dir, limit=args.num_train_examples)
     eval_set = Gsm8kDataset(args.eval_split, args.data_dir, limit=args.eval_num_examples)
+    if args.eval_split != "train":  # --eval_split train grades the training problems on purpose
+        check_held_out(dataset, eval_set)
     context = model_context_length(base_model_checkpoint_path)
     dataset.check_prompt_lengths(tokenizer, context, args.sampling_max_tokens, "--sampling_max_tokens")
     eval_set.check_prompt_lengths(tokenizer, context, args.eval_max_tokens, "--eval_max_tokens")

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from alignment.args import check_checkpoint, parse_sft_args
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_sft_log_folder, check_start_kept, check_writable,
                                   claim_log_folder, read_manifest, real_output_path, record_sft_log_folder, recover_checkpoint, save_model_atomically, start_model_name, unfinished_runs_from)
-from alignment.data import Gsm8kDataset
+from alignment.data import Gsm8kDataset, check_held_out, split_path
 from alignment.devices import resolve_device, resolve_dtype
 from alignment.drgrpo_grader import r1_zero_reward_fn
 from alignment.errors import RunStopped, UserError, run_cli
@@ -85,6 +85,8 @@ def train(args, stop: StopOnSignal) -> dict:
     dataset = Gsm8kDataset("train", args.data_dir, limit=args.num_train_examples)
     # read now: a bad row fails before the model loads, not after training (--eval_num_examples 0: no SFT-time evaluation)
     eval_set = Gsm8kDataset("test", args.data_dir, limit=args.eval_num_examples) if args.eval_num_examples else None
+    if split_path(args.data_dir, "test").is_file():  # the whole test split: the SFT checkpoint is graded on it later
+        check_held_out(dataset, Gsm8kDataset("test", args.data_dir))
     writer = open_log(Path(args.log_dir) / args.run_name)
     tokenizer = load_tokenizer(args.model, "--model")
     model = load_hf_model(args.model, device, master_dtype(dtype, args.fp32_master_weights))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from alignment.data import (
+    check_held_out,
     R1_ZERO_PROMPT,
     Gsm8kDataset,
     build_sft_completion,
@@ -108,6 +109,11 @@ GOOD = json.dumps({"question": "q?", "answer": "a\n#### 3"}).encode() + b"\n"
         (GOOD + b'{"question": "q?", "answer": "\\udc80 #### 1"}\n', r"train.jsonl:2: 'answer' holds '\\udc80', a lone surrogate escape that is not text"),
         # a 2 MiB row: refused as it is read, before any tokeniser sees it (a 50 MB row took ~100 s and ~10 GB)
         (GOOD + json.dumps({"question": "q" * (2 << 20), "answer": "#### 1"}).encode() + b"\n", r"train.jsonl:2: the row is 2.0 MiB \(at most 1 MiB"),
+        # accepted before: a prompt with no question in it, and the text after a `####` quoted in the reasoning (the final
+        # `#### 7` cut off) as the ground truth, trained and graded as such
+        (GOOD + json.dumps({"question": " ", "answer": "#### 1"}).encode() + b"\n", r"train.jsonl:2: 'question' is empty; fix or remove that row"),
+        (GOOD + json.dumps({"question": "q?", "answer": "The sign reads #### 5 on the door.\nSo 3 + 4 = 7"}).encode() + b"\n",
+         r"train.jsonl:2: the text after the last '####' runs over several lines"),
     ],
 )
 def test_malformed_files_name_file_and_line(tmp_path, content, message):
@@ -290,3 +296,69 @@ def test_the_final_answer_is_after_the_last_marker():
     answer = "The sign reads #### 5 on the door.\nSo 3 + 4 = 7\n#### 7"
     assert extract_ground_truth(answer) == "7"
     assert build_sft_completion(answer) == " The sign reads #### 5 on the door.\nSo 3 + 4 = 7 </think> <answer> 7 </answer>"
+
+
+def test_check_refuses_force_and_download_reads_a_tilde_data_dir_as_the_home_folder(tmp_path, monkeypatch, capsys):
+    """`check --force` was accepted and did nothing; `download --data_dir=~/gsm8k` (no shell expands it) wrote into a
+    folder named `~` in the working folder, where train_rl (which expands it) never looked."""
+    import datasets
+
+    _write(tmp_path, "train", GOOD)
+    _write(tmp_path, "test", GOOD)
+    with pytest.raises(SystemExit) as stopped:
+        data_main(["check", "--data_dir", str(tmp_path), "--force"])
+    assert stopped.value.code == 2 and "--force applies to download only" in capsys.readouterr().err
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    rows = {"train": [{"question": "1 + 1?", "answer": "2 #### 2"}], "test": [{"question": "4 - 1?", "answer": "3 #### 3"}]}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config: rows)
+    data_main(["download", "--data_dir=~/gsm8k"])
+    assert sorted(path.name for path in (home / "gsm8k").iterdir()) == ["test.jsonl", "train.jsonl"] and not list(work.iterdir())
+
+
+def test_download_over_a_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
+    """The file already there is compared with the download's rows before anything is replaced: EIO there was a traceback."""
+    import datasets
+
+    rows = {"train": [{"question": "1 + 1?", "answer": "2 #### 2"}], "test": [{"question": "4 - 1?", "answer": "3 #### 3"}]}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config: rows)
+    _write(tmp_path, "train", GOOD)
+
+    def failing(self):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(Path, "read_bytes", failing)
+    with pytest.raises(UserError, match=r"train.jsonl cannot be read \(Input/output error\); check the disk"):
+        data_main(["download", "--data_dir", str(tmp_path)])
+    monkeypatch.undo()
+    assert (tmp_path / "train.jsonl").read_bytes() == GOOD and not (tmp_path / "test.jsonl").exists()
+
+
+def test_a_test_split_that_shares_problems_with_the_train_split_is_refused_before_training(tmp_path, monkeypatch, tiny_checkpoint):
+    """test.jsonl copied from train.jsonl (or sharing rows with it) passed every check: the run trained on the problems it
+    was then graded on. check_held_out names the first shared row and the count; train_sft stops before loading a model."""
+    rows = [{"question": f"q{index}?", "answer": f"a\n#### {index}"} for index in range(1, 6)]
+    lines = [json.dumps(row) + "\n" for row in rows]
+    _write(tmp_path, "train", "".join(lines[:4]).encode())
+    _write(tmp_path, "test", "".join([lines[4]] + lines[2:4]).encode())  # q5 held out; q3, q4 also trained on
+    train, test = Gsm8kDataset("train", tmp_path), Gsm8kDataset("test", tmp_path)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(tmp_path / 'test.jsonl'))}:2: 2 of the 3 evaluation problems are also training problems "
+                                        rf"\({re.escape(str(tmp_path / 'train.jsonl'))}\), so the run would be graded on what it trained on"):
+        check_held_out(train, test)
+    check_held_out(Gsm8kDataset("train", tmp_path, limit=2), test)  # only the problems a run trains on count (--num_train_examples 2)
+    check_held_out(train, Gsm8kDataset("test", tmp_path, limit=1))
+
+    from types import SimpleNamespace
+
+    from alignment import train_rl, train_sft
+
+    monkeypatch.setattr(train_sft, "load_tokenizer", lambda *a, **k: pytest.fail("a model was loaded before the data check"))
+    with pytest.raises(UserError, match=r"test.jsonl:2: 2 of the 3 evaluation problems are also training problems"):
+        train_sft.main(["--model", str(tiny_checkpoint), "--data_dir", str(tmp_path), "--checkpoint_path", str(tmp_path / "sft"),
+                        "--log_dir", str(tmp_path / "runs"), "--eval_num_examples", "0", "--device", "cpu"])
+    assert not (tmp_path / "sft").exists()
+    rl_args = SimpleNamespace(data_dir=tmp_path, num_train_examples=None, eval_split="test", eval_num_examples=None)
+    with pytest.raises(UserError, match=r"test.jsonl:2: 2 of the 3 evaluation problems are also training problems"):
+        train_rl.load_prompts(rl_args, tokenizer=None, base_model_checkpoint_path=None)
