@@ -19,6 +19,7 @@ its runs, FILE.json:NAME for one. Headless (Agg).
 import argparse
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -61,10 +62,27 @@ def _steps_of(run_dir: Path) -> list[dict]:
     steps = read_jsonl(run_dir / "steps.jsonl")
     if not steps:
         raise UserError(f"{run_dir / 'steps.jsonl'} has no steps; pass the folder of a train_rl run (<log_dir>/<run_name>)")
-    return steps
+    return _numbered(steps, run_dir / "steps.jsonl", in_order=True)
 
 
-def _split_source(source) -> tuple[Path, str | None]:
+def _numbered(rows, where, in_order: bool = False) -> list[dict]:
+    """`rows` if each is an object with an integer step (in_order: each after the one before, as train_rl's steps.jsonl,
+    trimmed on --resume, has them). A row of another kind (evaluate's samples.jsonl as steps.jsonl) was a KeyError
+    traceback, or a blank figure; a step logged twice (two runs' logs in one file) drew the curve back on itself
+    and counted its seconds twice in the training minutes."""
+    previous = None
+    for row in rows if isinstance(rows, list) else [rows]:
+        step = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise UserError(f"{where}: a row without an integer 'step' ({json.dumps(row)[:80]}); pass a train_rl run folder (<log_dir>/<run_name>) "
+                            "or a benchmark's results file")
+        if in_order and previous is not None and step <= previous:
+            raise UserError(f"{where}: step {step} comes after step {previous} (two runs' logs in one file?); keep one row per step, in order")
+        previous = step
+    return rows
+
+
+def split_source(source) -> tuple[Path, str | None]:
     """FILE.json:NAME -> (FILE.json, NAME); anything else -> (its path, None)."""
     file, separator, name = str(source).partition(".json:")
     return (Path(file + ".json"), name) if separator else (Path(source), None)
@@ -85,7 +103,8 @@ def _results_runs(path: Path, name: str | None, file_label: str) -> list[tuple[s
         raise UserError(f'{path} holds no runs with steps (a results file keeps them as "runs": {{name: {{"steps": [...], "evals": [...]}}}}); pass a train_rl run folder instead')
     if name is not None and name not in runs:
         raise UserError(f"{path} has no run {name!r}; its runs: {', '.join(runs)}")
-    return [(run_name, f"{file_label}/{run_name}", run["steps"], run.get("evals") or []) for run_name, run in runs.items() if name in (None, run_name)]
+    return [(run_name, f"{file_label}/{run_name}", _numbered(run["steps"], f"{path}:{run_name} steps", in_order=True),
+             _numbered(run.get("evals") or [], f"{path}:{run_name} evals")) for run_name, run in runs.items() if name in (None, run_name)]
 
 
 def results_file_labels(paths: list[Path]) -> dict[str, str]:
@@ -115,15 +134,15 @@ def load_runs(sources) -> list[tuple[str, list, list]]:
     (FILE.json: all its runs; FILE.json:NAME: one). Labels are run names, made longer (as many
     parent folders as tell them apart, or the file) where two would be the same."""
     runs = []
-    folders = [path for path, _ in map(_split_source, sources) if not _is_results_file(path)]
+    folders = [path for path, _ in map(split_source, sources) if not _is_results_file(path)]
     longer = dict(zip(map(str, folders), distinct_suffixes(folders)))
-    files = results_file_labels([path for path, _ in map(_split_source, sources) if _is_results_file(path)])
+    files = results_file_labels([path for path, _ in map(split_source, sources) if _is_results_file(path)])
     for source in sources:
-        path, name = _split_source(source)
+        path, name = split_source(source)
         if _is_results_file(path):
             runs += _results_runs(path, name, files[str(path)])
         else:
-            runs.append((path.name, longer[str(path)], _steps_of(path), read_jsonl(path / "evals.jsonl")))
+            runs.append((path.name, longer[str(path)], _steps_of(path), _numbered(read_jsonl(path / "evals.jsonl"), path / "evals.jsonl")))
     names = [label for label, *_ in runs]
     return [(label if names.count(label) == 1 else longer, steps, evals) for label, longer, steps, evals in runs]
 
@@ -168,7 +187,7 @@ def plot_run(run_dir, out=None, start_eval: dict | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    steps, evals = _steps_of(run_dir), read_jsonl(run_dir / "evals.jsonl")
+    steps, evals = _steps_of(run_dir), _numbered(read_jsonl(run_dir / "evals.jsonl"), run_dir / "evals.jsonl")
     if start_eval:
         evals = [{**start_eval, "step": 0}, *evals]
     panels = [
@@ -218,7 +237,7 @@ def comparison_path(sources) -> Path:
     comparison does not replace it, beside the first run folder (runs/ when all are results files, which
     sit among tracked files). Run folders of one name (bench outputs' runs/rl) are named with as many parent
     folders as tell them apart, and a name cut to length ends in a hash of the whole, as load_runs labels them apart."""
-    split = [_split_source(source) for source in sources]
+    split = [split_source(source) for source in sources]
     folders = [path for path, _ in split if not _is_results_file(path)]
     short = [path.name for path in folders]
     longer = dict(zip(map(str, folders), distinct_suffixes(folders)))
@@ -241,9 +260,11 @@ def main(argv=None) -> Path:
                                                    "also a results file, FILE.json (all its runs) or FILE.json:NAME")
     parser.add_argument("--out", default=None, help="PNG to write; default <run_dir>/curves.png, for several runs compare_<run>_vs_<run>.png beside the first run's folder (runs/ for results files alone)")
     args = parser.parse_args(argv)
+    # `--out=~/x.png` (no shell expands it) names the home folder: it made a folder named `~` in the working folder
+    args.run_dir, args.out = [os.path.expanduser(source) for source in args.run_dir], args.out and os.path.expanduser(args.out)
     if args.out and Path(args.out).suffix.lower() not in IMAGE_SUFFIXES:
         raise UserError(f"--out {args.out}: name an image file ending in {', '.join(IMAGE_SUFFIXES)} (the figure's format follows the name)")
-    first = _split_source(args.run_dir[0])[0]
+    first = split_source(args.run_dir[0])[0]
     if len(args.run_dir) == 1 and not _is_results_file(first):
         out = plot_run(first, args.out)
     else:

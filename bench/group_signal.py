@@ -18,11 +18,12 @@ groups if the pass rates stayed as they are.
 import argparse
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 
 from alignment.errors import UserError, run_cli
-from alignment.plot import load_runs
+from alignment.plot import split_source, load_runs
 
 LOGGED = ("train/reward", "train/fraction_groups_all_right", "train/fraction_groups_all_equal")
 
@@ -59,7 +60,9 @@ def group_fractions(a: float, b: float, group_size: int) -> dict:
 
 def analyse(steps: list[dict], group_size: int, sizes: list[int], from_step: int, label: str) -> dict:
     """The logged averages from `from_step` on, the fitted Beta, its check and each size's prediction."""
-    rows = [row for row in steps if row.get("step", 0) >= from_step and all(isinstance(row.get(key), (int, float)) for key in LOGGED)]
+    # a NaN logged by another writer counts as not logged, as train_rl's null does (the averages became NaN, and the error blamed --group_size)
+    rows = [row for row in steps if row.get("step", 0) >= from_step
+            and all(isinstance(row.get(key), (int, float)) and math.isfinite(row[key]) for key in LOGGED)]
     if not rows:
         raise UserError(f"{label}: no step from --from_step {from_step} on logs {', '.join(LOGGED)} (an older train_rl's log, or a shorter run)")
     reward, all_right, all_equal = (statistics.fmean(row[key] for row in rows) for key in LOGGED)
@@ -83,6 +86,23 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def check_out(out: Path, sources) -> None:
+    """--out may not be an input or lie inside a run folder (it replaced the run's steps.jsonl), nor replace a file of
+    another kind (a results file, the user's notes): only an earlier output of this script is written over."""
+    real = out.resolve()
+    for source in sources:
+        path = split_source(source)[0].resolve()
+        if real == path or path in real.parents:
+            raise UserError(f"--out {out} is {'inside ' if real != path else ''}the input {source}; write the results elsewhere (e.g. --out signal.json)")
+    if real.is_file():
+        try:
+            earlier = json.loads(real.read_text())
+        except (OSError, ValueError):
+            earlier = None
+        if not (isinstance(earlier, list) and all(isinstance(result, dict) and "beta" in result for result in earlier)):
+            raise UserError(f"--out {out} already holds a file that is not this script's results; pass another path, or move it away (nothing was written)")
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="train_rl run folders (<log_dir>/<run_name>) or results files (FILE.json, FILE.json:NAME)")
@@ -93,10 +113,18 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     if args.group_size < 2 or min(args.sizes) < 1:
         parser.error("--group_size must be 2 or more and every --sizes entry 1 or more")
+    args.runs = [os.path.expanduser(run) for run in args.runs]  # a quoted `~/...` or `--out=~/x.json` (no shell expands it) names the home folder
+    if args.out:
+        args.out = args.out.expanduser()
+        check_out(args.out, args.runs)
     results = [analyse(steps, args.group_size, args.sizes, args.from_step, label) for label, steps, _ in load_runs(args.runs)]
     print("\n\n".join(map(report, results)))
     if args.out:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+        except OSError as error:
+            raise UserError(f"--out {args.out}: cannot write it ({error.strerror or error}); pass a writable file path") from None
         print(f"wrote {args.out}")
     return results
 

@@ -66,3 +66,39 @@ def test_the_cli_reads_a_run_folder_from_a_step_on_and_refuses_logs_no_spread_fi
         group_signal.main([str(run), "--from_step", "10", "--group_size", "2"])  # the runs' group size mistyped: more groups of 2 would be all right
     with pytest.raises(UserError, match=r"^rl: no step from --from_step 500 on logs train/reward"):
         group_signal.main([str(run), "--from_step", "500"])
+
+
+def test_out_never_replaces_an_input_or_a_file_of_another_kind(tmp_path, capsys):
+    """`--out runs/rl/steps.jsonl` replaced the run's log with the results; a results file given as both input and --out,
+    or a file of the user's, was replaced the same way; --out naming a folder or a missing folder was a traceback."""
+    run = tmp_path / "runs" / "rl"
+    run.mkdir(parents=True)
+    log = "".join(json.dumps(row) + "\n" for row in sampled_steps(0.7, 0.2, 8, 20, 50, seed=4))
+    (run / "steps.jsonl").write_text(log)
+    results = tmp_path / "bench.json"
+    results.write_text(json.dumps({"runs": {"a": {"steps": sampled_steps(0.7, 0.2, 8, 20, 50, seed=5), "evals": []}}}))
+    saved = results.read_text()
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}\n')
+    for out, message in ((run / "steps.jsonl", r"is inside the input .*rl; write the results elsewhere"),
+                         (run, r"is the input .*rl; write the results elsewhere"),
+                         (results, r"is the input .*bench.json:a; write the results elsewhere"),
+                         (notes, r"already holds a file that is not this script's results; pass another path, or move it away")):
+        with pytest.raises(UserError, match=rf"^--out {out} {message}"):
+            group_signal.main([str(run), f"{results}:a", "--out", str(out)])
+    assert (run / "steps.jsonl").read_text() == log and results.read_text() == saved and notes.read_text() == '{"mine": 1}\n'
+    (tmp_path / "afolder").mkdir()
+    with pytest.raises(UserError, match=r"^--out .*afolder: cannot write it \(Is a directory\); pass a writable file path$"):
+        group_signal.main([str(run), "--out", str(tmp_path / "afolder")])
+    out = tmp_path / "new" / "signal.json"  # a folder that is not there yet is made, and the script's own results are replaced
+    for _ in range(2):
+        assert group_signal.main([str(run), "--out", str(out)])[0]["steps"] == 20
+    assert json.loads(out.read_text())[0]["run"] == "rl"
+
+
+def test_a_nan_in_the_log_counts_as_not_logged(tmp_path):
+    """A NaN (from another writer; train_rl writes null) made the averages NaN, and the error blamed --group_size."""
+    rows = sampled_steps(0.7, 0.2, 8, 30, 50, seed=6)
+    with_nan = [{**row, "train/reward": float("nan")} if row["step"] == 3 else row for row in rows]
+    result = group_signal.analyse(with_nan, 8, [8], 1, "nan")
+    assert result["steps"] == 29 and result["reward"] == pytest.approx(group_signal.analyse(rows[:2] + rows[3:], 8, [8], 1, "x")["reward"])

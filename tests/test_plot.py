@@ -217,3 +217,50 @@ def test_a_torn_line_inside_a_log_is_skipped_and_the_lines_after_it_are_read(tmp
     log = tmp_path / "steps.jsonl"
     log.write_text('{"step": 1}\n{"step": 2, "train/rew\n{"step": 3}\n')
     assert read_jsonl(log) == [{"step": 1}, {"step": 3}]
+
+
+def test_a_log_of_another_kind_or_with_a_step_logged_twice_is_one_line(tmp_path):
+    """A file of another kind as a run's log (evaluate's samples.jsonl as steps.jsonl, an evals row without its step, a
+    results file whose rows are lists) was a KeyError or AttributeError traceback, or a blank figure written without a
+    word; a step logged twice (two runs' logs in one file) drew the curve back on itself and counted its seconds twice."""
+    run = tmp_path / "rl"
+    run.mkdir()
+    steps = [{"step": s, "perf/step_seconds": 60.0, "train/reward": 0.5} for s in (1, 2, 3)]
+
+    def write(steps_rows, evals_rows=()):
+        (run / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in steps_rows))
+        (run / "evals.jsonl").write_text("".join(json.dumps(row) + "\n" for row in evals_rows))
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in steps))
+    cases = [
+        ([{"prompt": "p", "response": "r", "reward": 1.0}], [], r"rl/steps.jsonl: a row without an integer 'step' \({\"prompt\": \"p\""),
+        ([*steps[:2], {"step": "3", "train/reward": 0.5}], [], r"rl/steps.jsonl: a row without an integer 'step'"),
+        (steps, [{"avg_all_rewards": 0.5}], r"rl/evals.jsonl: a row without an integer 'step'"),
+        ([*steps, *steps[1:]], [], r"rl/steps.jsonl: step 2 comes after step 3 \(two runs' logs in one file\?\); keep one row per step, in order"),
+    ]
+    for steps_rows, evals_rows, message in cases:
+        write(steps_rows, evals_rows)
+        for sources in ([str(run)], [str(run), str(other)]):  # one run's figure, and side by side
+            with pytest.raises(UserError, match=message):
+                main([*sources, "--out", str(tmp_path / "figure.png")])
+    assert not (tmp_path / "figure.png").exists()
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"runs": {"a": {"steps": [[1, 0.5]], "evals": []}}}))
+    with pytest.raises(UserError, match=r"results.json:a steps: a row without an integer 'step' \(\[1, 0.5\]\)"):
+        main([str(results), "--out", str(tmp_path / "figure.png")])
+    write(steps, [{"step": 0, "avg_all_rewards": 0.25}, {"step": 3, "avg_all_rewards": 0.5}])
+    assert main([str(run)]) == run / "curves.png"
+
+
+def test_a_tilde_in_out_names_the_home_folder(tmp_path, monkeypatch):
+    """`--out=~/curves.png` (no shell expands it) wrote into a folder named `~` in the working folder."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    (home / "rl").mkdir(parents=True)
+    work.mkdir()
+    (home / "rl" / "steps.jsonl").write_text(json.dumps({"step": 1, "perf/step_seconds": 3.0, "train/reward": 0.5}) + "\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert main(["~/rl", "--out=~/figures/rl.png"]) == home / "figures" / "rl.png"
+    assert (home / "figures" / "rl.png").is_file() and not list(work.iterdir())
