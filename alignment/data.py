@@ -255,6 +255,8 @@ def main(argv=None) -> None:
         download_gsm8k(args.data_dir, args.force)
     for split in SPLITS:
         print(f"{split_path(args.data_dir, split)}: {len(load_gsm8k(split, args.data_dir))} rows parse")
+    check_held_out(Gsm8kDataset("train", args.data_dir), Gsm8kDataset("test", args.data_dir))  # what train_sft and train_rl refuse
+    print("no test problem is a training problem")
 
 
 if __name__ == "__main__":

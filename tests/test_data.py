@@ -139,12 +139,15 @@ def test_missing_file_tells_the_download_command(tmp_path):
         load_gsm8k("test", tmp_path / "nowhere")
 
 
-def test_check_command_counts_rows(tmp_path, capsys):
+def test_check_command_counts_rows_and_refuses_a_test_split_that_was_trained_on(tmp_path, capsys):
     _write(tmp_path, "train", GOOD * 3)
-    _write(tmp_path, "test", GOOD)
+    _write(tmp_path, "test", json.dumps({"question": "held out?", "answer": "b\n#### 4"}).encode() + b"\n")
     data_main(["check", "--data_dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "train.jsonl: 3 rows parse" in out and "test.jsonl: 1 rows parse" in out
+    assert "train.jsonl: 3 rows parse" in out and "test.jsonl: 1 rows parse" in out and "no test problem is a training problem" in out
+    _write(tmp_path, "test", GOOD)  # a training row copied into the test split
+    with pytest.raises(UserError, match=r"test.jsonl:1: 1 of the 1 evaluation problems are also training problems"):
+        data_main(["check", "--data_dir", str(tmp_path)])
 
 
 def test_a_data_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
