@@ -152,10 +152,11 @@ def _two_sequences(seed=0):
 def test_microbatch_step_mean_normalization_matches_hand_gradient():
     log_probs, mask = _two_sequences()
     advantages = torch.tensor([[2.0], [-1.0]])
-    loss, _ = grpo_microbatch_train_step(log_probs, mask, 3, "reinforce_with_baseline", advantages=advantages)
+    loss, meta = grpo_microbatch_train_step(log_probs, mask, 3, "reinforce_with_baseline", advantages=advantages)
     lengths = torch.tensor([4.0, 7.0])
     per_sequence = torch.stack([-(advantages[i, 0] * log_probs[i][mask[i]]).sum() / lengths[i] for i in range(2)])
     assert loss.item() == pytest.approx(per_sequence.mean().item() / 3, rel=1e-6)
+    assert meta["loss_unscaled"].item() == pytest.approx(per_sequence.mean().item(), rel=1e-6)  # before the / 3
     expected_grad = torch.zeros(2, 8)
     expected_grad[0, 2:6] = -2.0 / (4 * 2 * 3)
     expected_grad[1, 1:8] = 1.0 / (7 * 2 * 3)
@@ -175,6 +176,7 @@ def test_microbatch_step_reports_clip_fraction_and_kl():
     log_probs, mask = _two_sequences()
     old = log_probs.detach().clone()
     old[0, 2] -= 1.0  # ratio e > 1.2 on one token with positive advantage: clipped
+    old[~mask] -= 1.0  # and on the 5 positions off the response (prompt, padding): the clip fraction must not count them
     reference = log_probs.detach().clone()
     reference[~mask] -= 1.0  # off the response only (prompt and padding): the logged KL must not see it
     _, meta = grpo_microbatch_train_step(
@@ -210,6 +212,20 @@ def test_empty_response_contributes_zero_not_nan():
     assert torch.isfinite(log_probs.grad).all()
 
 
+def test_a_microbatch_with_no_response_token_reports_zero_not_nan():
+    """Guards: the logged metrics divided by an unclamped token count. A microbatch whose every row is out of the loss
+    (--overlong mask keeps truncated rows out) has no response token: its loss, clip fraction, KL and entropy bonus
+    are 0, not 0 / 0 = NaN (a NaN would poison train/clip_fraction and train/kl_ref for the whole step)."""
+    log_probs = torch.full((2, 3), -1.0, requires_grad=True)
+    loss, meta = grpo_microbatch_train_step(
+        log_probs, torch.zeros(2, 3, dtype=torch.bool), 1, "grpo_clip", advantages=torch.ones(2, 1), old_log_probs=torch.full((2, 3), -2.0),
+        cliprange=0.2, ref_log_probs=torch.full((2, 3), -2.0), entropy_coef=0.1, token_entropy=torch.ones(2, 3),
+    )
+    assert loss.item() == 0.0
+    assert {key: meta[key].item() for key in ("clip_fraction", "kl", "entropy_bonus")} == {"clip_fraction": 0.0, "kl": 0.0, "entropy_bonus": 0.0}
+    assert (log_probs.grad == 0).all()
+
+
 def test_fraction_of_groups_all_right_counts_groups_solved_by_every_rollout():
     # groups of 2: both right, one right, both wrong, both right -> 3 of 4 tied, 2 of 4 tied at right
     responses = ["1", "1", "1", "x", "x", "y", "2", "2"]
@@ -225,7 +241,9 @@ def test_importance_weights_multiply_the_policy_gradient_term_only_not_the_kl():
     per token 0.5 x 1 + 0 = 0.5 and 2 x 2 + 0.5 x (e - 1 - 1) = 4.3591409; mean over 2 tokens 2.4295705.
     d/dlogp: -A x w / 2 = [-0.25, -1] plus 0.5 x (1 - e^r) / 2 = [0, -0.4295705]."""
     log_probs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    weights = torch.tensor([[0.5, 2.0]], requires_grad=True)  # a caller's weights with a graph: still no gradient flows into them
     loss, _ = grpo_microbatch_train_step(log_probs, torch.ones(1, 2, dtype=torch.bool), 1, "reinforce_with_baseline", advantages=torch.tensor([[1.0]]),
-                                         kl_coef=0.5, ref_log_probs=torch.tensor([[-1.0, -1.0]]), importance_weights=torch.tensor([[0.5, 2.0]]))
+                                         kl_coef=0.5, ref_log_probs=torch.tensor([[-1.0, -1.0]]), importance_weights=weights)
+    assert weights.grad is None
     assert loss.item() == pytest.approx((0.5 + 4.0 + 0.5 * (math.e - 2.0)) / 2, rel=1e-6)  # 2.4295705
     assert log_probs.grad[0].tolist() == pytest.approx([-0.25, -1.0 + 0.5 * (1.0 - math.e) / 2], rel=1e-6)  # [-0.25, -1.4295705]

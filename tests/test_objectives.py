@@ -104,6 +104,19 @@ def test_cispo_clips_the_detached_weight_and_keeps_every_tokens_gradient():
     assert clip_policy.grad[0, 0] == 0.0
 
 
+def test_cispo_clip_higher_bounds_the_weight_asymmetrically():
+    """Guards: cispo ignoring --cliprange_high (or its sides swapped). Ratios [1.5, 1.25, 0.5], cliprange 0.2,
+    cliprange_high 0.28, A = 1: weights clip(ratio, 0.8, 1.28) = [1.28, 1.25, 0.8], the gradient -weight per token,
+    clipped [True, False, True] (the high side read from --cliprange would clip 1.25 to 1.2)."""
+    ratios = torch.tensor([[1.5, 1.25, 0.5]])
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    policy = (old + ratios.log()).requires_grad_(True)
+    loss, meta = compute_cispo_loss(torch.ones(1, 1), policy, old, cliprange=0.2, cliprange_high=0.28)
+    loss.sum().backward()
+    assert policy.grad[0].tolist() == pytest.approx([-1.28, -1.25, -0.8], rel=1e-6)
+    assert meta["clipped"].tolist() == [[True, False, True]]
+
+
 def test_cispo_on_policy_is_reinforce():
     """One optimizer step on fresh rollouts: the old log-probs are the policy's own, ratio 1."""
     generator = torch.Generator().manual_seed(0)
@@ -152,6 +165,7 @@ def test_sequence_kl_sums_response_tokens_without_nan():
     reference = torch.tensor([[-1.0, -1.0, float("nan")], [float("nan")] * 3, [-0.5, float("nan"), 0.0]])
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]], dtype=torch.bool)
     assert torch.allclose(sequence_kl(policy, reference, mask), torch.tensor([math.e - 2.0, 0.0, 0.0]))  # empty, one token
+    assert not sequence_kl(policy.requires_grad_(True), reference, mask).requires_grad  # a reward: no gradient into the policy
     assert torch.allclose(sequence_kl(policy, reference, mask, "k1"), torch.tensor([-1.0, 0.0, 0.0]))
 
 
@@ -458,9 +472,9 @@ def test_update_settings_defaults_are_todays_behaviour():
     assert (settings.kl_estimator, settings.kl_in, settings.entropy_coef, settings.mismatch_correction) == ("k3", "loss", 0.0, "tis")
 
 
-def _masked_and_alone_steps(base, tokenizer, **changes):
-    """update_policy (SGD, lr 1, no clipping) on two rows with row 1 out of the loss (--overlong mask), and on row 0
-    alone: each run's totals and weight change."""
+def _masked_and_alone_steps(base, tokenizer, keep_every_row=False, **changes):
+    """update_policy (SGD, lr 1, no clipping) on two rows with row 1 out of the loss (--overlong mask; both in it with
+    `keep_every_row`), and on row 0 alone: each run's totals and weight change."""
     import copy
 
     from alignment.optim import build_scheduler
@@ -469,7 +483,7 @@ def _masked_and_alone_steps(base, tokenizer, **changes):
 
     prompts = ["User: Ava has 3 apples.\nAssistant: <think>", "User: Ben has 9 pens.\nAssistant: <think>"]
     batch = {**tokenize_rollouts(prompts, [" 3 + 2 = 5 </answer>", " 9 9 9 9 9 9"], tokenizer),
-             "raw_rewards": torch.tensor([1.0, 0.0]), "advantages": torch.tensor([1.0, -1.0]), "in_loss": torch.tensor([True, False])}
+             "raw_rewards": torch.tensor([1.0, 0.0]), "advantages": torch.tensor([1.0, -1.0]), "in_loss": torch.tensor([True, keep_every_row])}
     batch["lengths"] = sequence_lengths(batch["response_mask"])
     only_first = {key: value[:1] for key, value in batch.items() if key not in ("lengths", "in_loss")}
     only_first["lengths"] = batch["lengths"][:1]
@@ -490,6 +504,16 @@ def test_overlong_mask_gives_truncated_rows_zero_loss_weight(tiny_model_and_toke
     assert masked["loss"] == pytest.approx(0.5 * alone["loss"], rel=1e-5)
     assert torch.allclose(masked_step, 0.5 * alone_step, atol=1e-7)
     assert masked["entropy"] > 0  # entropy stays measured on every response token
+
+
+def test_overlong_mask_keeps_the_logged_entropy_on_every_response_token(tiny_model_and_tokenizer):
+    """Guards: train/entropy measured on the loss mask (the rows --overlong mask keeps out of the loss) instead of every
+    response token. The same two rows with and without row 1 out of the loss log the same entropy (it is measured before
+    the step), while their steps differ."""
+    (masked, masked_step), _ = _masked_and_alone_steps(*tiny_model_and_tokenizer)
+    (in_loss, in_loss_step), _ = _masked_and_alone_steps(*tiny_model_and_tokenizer, keep_every_row=True)
+    assert masked["entropy"] == pytest.approx(in_loss["entropy"], rel=1e-6) and masked["entropy"] > 0
+    assert (masked_step - in_loss_step).norm() > 1e-3
 
 
 def test_overlong_mask_under_token_mean_counts_only_the_tokens_in_the_loss(tiny_model_and_tokenizer):

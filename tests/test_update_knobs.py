@@ -7,6 +7,7 @@ an even number of characters): rewards differ within groups and every update mov
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -193,22 +194,27 @@ def test_max_grad_norm_clips_the_step(tiny_model_and_tokenizer, task):
     assert all(p.grad is None for p in model.parameters())  # left over, they would add into the next rollout step's gradient
 
 
+class RecordingSGD(torch.optim.SGD):
+    """SGD that records the learning rate each step() runs with."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rates = []
+
+    def step(self, closure=None):
+        self.rates.append(self.param_groups[0]["lr"])
+        return super().step(closure)
+
+
 def test_each_optimizer_step_runs_at_its_scheduled_rate(tiny_model_and_tokenizer, task):
     """4 rollouts, --train_batch_size 2: two optimizer steps, warm-up over 2 steps at peak 1e-3. The rate each
     optimizer.step() runs with is 5e-4, then 1e-3 (a scheduler stepped before the optimizer would give 1e-3 twice)."""
     base, tokenizer = tiny_model_and_tokenizer
     settings, _ = settings_and_args(task, "--train_batch_size", "2", "--train_mini_batch_size", "2", "--loss_type", "reinforce_with_baseline")
     model = copy.deepcopy(base)
-    rates = []
-
-    class RecordingSGD(torch.optim.SGD):
-        def step(self, closure=None):
-            rates.append(self.param_groups[0]["lr"])
-            return super().step(closure)
-
     optimizer = RecordingSGD(model.parameters(), lr=1e-3)
     totals = update_policy(model, optimizer, build_scheduler(optimizer, 2, 10), small_batch(tokenizer), settings, "cpu")
-    assert totals["optimizer_steps"] == 2 and rates == pytest.approx([5e-4, 1e-3])
+    assert totals["optimizer_steps"] == 2 and optimizer.rates == pytest.approx([5e-4, 1e-3])
 
 
 def test_cosine_schedule_decays_to_a_tenth_of_the_peak():
@@ -226,25 +232,68 @@ def test_cosine_schedule_decays_to_a_tenth_of_the_peak():
     assert all(a > b for a, b in zip(rates[2:12], rates[3:13]))
 
 
-def test_a_non_finite_loss_skips_the_step_and_leaves_the_weights(tiny_model_and_tokenizer, task, monkeypatch):
-    """A microbatch whose loss is NaN while its gradient stays finite: the optimizer step is skipped (counted),
-    the weights do not move, and no gradient is left behind."""
+def test_cosine_schedule_with_a_warm_up_as_long_as_the_run_ends_at_the_peak():
+    """Guards: the cosine branch taken when the warm-up fills the run (progress 0 / 0). --lr_schedule cosine with
+    --warmup_steps 2 of 2 optimizer steps: factors 0.5, 1, then the peak held (nothing left to decay over)."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    scheduler = build_scheduler(optimizer, 2, 2, "cosine")
+    rates = []
+    for _ in range(4):
+        rates.append(optimizer.param_groups[0]["lr"] / 2.0)
+        optimizer.step()
+        scheduler.step()
+    assert rates == pytest.approx([0.5, 1.0, 1.0, 1.0])
+
+
+@pytest.mark.parametrize("defect", ["nan_loss_in_the_first_microbatch", "nan_loss_in_the_last_microbatch", "infinite_gradient"])
+def test_a_non_finite_loss_or_gradient_skips_the_step_and_leaves_the_weights(tiny_model_and_tokenizer, task, monkeypatch, defect):
+    """An optimizer step of two microbatches, one of whose loss is NaN while its gradient stays finite (either one: the
+    finite check spans the step), or whose loss is finite with an infinite gradient: the step is skipped (counted), the
+    weights do not move, and no gradient is left behind. (Guards: only the last microbatch's loss checked; the
+    gradient norm left unchecked, which writes NaN into the weights.)"""
     base, tokenizer = tiny_model_and_tokenizer
-    settings, _ = settings_and_args(task, "--loss_type", "reinforce_with_baseline")
-    real = policy_update.grpo_microbatch_train_step
-
-    def nan_loss(*args, **kwargs):
-        loss, meta = real(*args, **kwargs)
-        return loss * float("nan"), meta
-
-    monkeypatch.setattr(policy_update, "grpo_microbatch_train_step", nan_loss)
+    settings, _ = settings_and_args(task, "--loss_type", "reinforce_with_baseline", "--train_mini_batch_size", "2")
     model = copy.deepcopy(base)
+    real, calls = policy_update.grpo_microbatch_train_step, []
+
+    def defective(*args, **kwargs):
+        loss, meta = real(*args, **kwargs)
+        calls.append(defect)
+        if defect == "infinite_gradient" and len(calls) == 1:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        elif defect == f"nan_loss_in_the_{('first', 'last')[len(calls) - 1]}_microbatch":
+            loss = loss * float("nan")
+        return loss, meta
+
+    monkeypatch.setattr(policy_update, "grpo_microbatch_train_step", defective)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     totals = update_policy(model, optimizer, build_scheduler(optimizer, 0, 1), small_batch(tokenizer), settings, "cpu")
-    assert (totals["skipped_steps"], totals["optimizer_steps"]) == (1, 0)
+    assert len(calls) == 2 and (totals["skipped_steps"], totals["optimizer_steps"]) == (1, 0)
     assert all(torch.equal(p.detach(), old) for p, old in zip(model.parameters(), before))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_skipped_step_counts_on_the_schedule_and_a_good_step_ends_the_skips_in_a_row(tiny_model_and_tokenizer, monkeypatch):
+    """Guards: the schedule not advanced over a skipped (non-finite) step, and --max_skipped_steps' count of skips in a
+    row not reset by a good step. 4 rollouts in 2 optimizer steps, warm-up over 2 steps to 1e-3: step 1's loss is NaN
+    (skipped), so step 2 runs at the plan's second rate, 1e-3 (not the first's 5e-4), and ends the run of skips."""
+    base, tokenizer = tiny_model_and_tokenizer
+    settings = update_settings(loss_type="reinforce_with_baseline", train_batch_size=2, train_mini_batch_size=2)
+    real, calls = policy_update.grpo_microbatch_train_step, []
+
+    def nan_first(*args, **kwargs):
+        loss, meta = real(*args, **kwargs)
+        calls.append(loss)
+        return (loss * float("nan") if len(calls) == 1 else loss), meta
+
+    monkeypatch.setattr(policy_update, "grpo_microbatch_train_step", nan_first)
+    model = copy.deepcopy(base)
+    optimizer = RecordingSGD(model.parameters(), lr=1e-3)
+    scheduler = build_scheduler(optimizer, 2, 10)
+    totals = update_policy(model, optimizer, scheduler, small_batch(tokenizer), settings, "cpu")
+    assert (totals["skipped_steps"], totals["optimizer_steps"], totals["skipped_since_last_step"]) == (1, 1, 0)
+    assert optimizer.rates == pytest.approx([1e-3]) and scheduler.last_epoch == 2
 
 
 def test_weight_decay_reaches_adamw(tiny_model_and_tokenizer, task):
@@ -352,6 +401,28 @@ def test_each_rollout_step_samples_with_its_own_seed(task, monkeypatch):
     assert runs[1] == runs[0]  # and a run repeats its draws
 
 
+def test_a_ratio_loss_scores_the_pre_update_policy_whenever_a_batch_takes_more_than_one_optimizer_step():
+    """Guards: the old-policy pass run for --epochs_per_rollout_batch > 1 only. 8 rollouts in optimizer steps of 4 (one
+    pass): by the second step the policy has moved, so grpo_clip needs the log-probs scored before the first. One step
+    of all 8 does not (its ratio is 1 against its own detached log-probs), nor a REINFORCE loss, --old_policy reference
+    (the frozen reference's), or one step off (the sampler's own)."""
+    needs = {
+        "one step of all 8": (dict(train_batch_size=8), False),
+        "two steps of 4": (dict(train_batch_size=4), True),
+        "two passes of 8": (dict(train_batch_size=8, epochs_per_rollout_batch=2), True),
+        "REINFORCE, two steps": (dict(train_batch_size=4, loss_type="reinforce_with_baseline"), False),
+        "the reference, two steps": (dict(train_batch_size=4, old_policy="reference"), False),
+        "one step off, two steps": (dict(train_batch_size=4, one_step_off=True), False),
+        "cispo, two steps": (dict(train_batch_size=4, loss_type="cispo"), True),
+    }
+    assert {name: policy_update.needs_old_policy_pass(update_settings(**changes), 8) for name, (changes, _) in needs.items()} == {
+        name: expected for name, (_, expected) in needs.items()}
+    # under torchrun each of 2 ranks holds half of the 16 rollouts and half of --train_batch_size: one step of all
+    # 16 is one step of 8 on each rank (the pass ran every step there, comparing a rank's share with the whole batch)
+    assert policy_update.needs_old_policy_pass(update_settings(train_batch_size=8), 16, world_size=2) is False
+    assert policy_update.needs_old_policy_pass(update_settings(train_batch_size=4), 16, world_size=2) is True
+
+
 # ------------------------------------------------------------ update_policy against a naive autograd step
 
 
@@ -427,6 +498,38 @@ def test_no_baseline_learns_from_the_raw_rewards_not_the_advantages(tiny_model_a
     moved, _ = update_policy_step(base, batch, settings)
     expected = naive_sgd_step(base, batch, lambda log_probs, logits, rows: -batch["raw_rewards"][rows, None] * log_probs)
     assert expected.norm() > 1e-3 and (moved - expected).norm() < 1e-4 * expected.norm()
+
+
+def test_unequal_microbatches_weight_each_row_by_its_share_of_the_step(tiny_model_and_tokenizer):
+    """Guards: each microbatch's loss divided by the step's number of microbatches (or its rows rounded) instead of
+    weighted by its share of the step's rows. 3 rows in microbatches of 2 and 1 (weights 2/3 and 1/3 of their means):
+    the step is the naive step of the mean over the 3 rows."""
+    base, tokenizer = tiny_model_and_tokenizer
+    batch = {key: value[:3] for key, value in small_batch(tokenizer).items()}
+    settings = update_settings(loss_type="reinforce_with_baseline", train_batch_size=3, train_mini_batch_size=2, max_grad_norm=1e9)
+    moved, totals = update_policy_step(base, batch, settings)
+    assert (totals["optimizer_steps"], totals["microbatches"]) == (1, 2)
+    expected = naive_sgd_step(base, batch, lambda log_probs, logits, rows: -batch["advantages"][rows, None] * log_probs)
+    assert expected.norm() > 1e-3 and (moved - expected).norm() < 1e-4 * expected.norm()
+
+
+def test_the_totals_sum_each_steps_gradient_norm_and_leave_kl_unmeasured_without_a_reference(tiny_model_and_tokenizer, monkeypatch):
+    """Guards: totals["grad_norm"] holding the last optimizer step's norm (run_log divides it by the steps for
+    train/grad_norm), and train/kl_ref counted as 0 when there are no reference log-probs (NaN prints "n/a"). Two
+    optimizer steps of 2 rows: the sum of the two norms that clipping saw."""
+    base, tokenizer = tiny_model_and_tokenizer
+    norms, real = [], torch.nn.utils.clip_grad_norm_
+
+    def recording(parameters, max_norm, *args, **kwargs):
+        norm = real(parameters, max_norm, *args, **kwargs)
+        norms.append(norm.item())
+        return norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording)
+    settings = update_settings(loss_type="reinforce_with_baseline", train_batch_size=2, train_mini_batch_size=2)
+    _, totals = update_policy_step(base, small_batch(tokenizer), settings)
+    assert len(norms) == 2 and min(norms) > 0 and totals["grad_norm"] == pytest.approx(sum(norms), rel=1e-6)
+    assert math.isnan(totals["kl_ref"])
 
 
 @pytest.mark.parametrize("chunk_size", [0, 3])  # the naive path and the fused, chunked one
