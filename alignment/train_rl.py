@@ -341,7 +341,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         with timed(timings, "logprobs"):
             if has_signal and reference_model is not None:
                 batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, **scoring)
-            if has_signal and needs_old_policy_pass(settings, args.total_rollouts):
+            if has_signal and needs_old_policy_pass(settings, args.total_rollouts, ranks.world_size):
                 batch["old_log_probs"] = score_with(model, batch, args.train_mini_batch_size, main_device, **scoring)
             if args.kl_in == "reward":
                 extras.update(kl_in_reward(args, batch, model, main_device, scoring, ranks))
