@@ -217,16 +217,22 @@ def test_each_optimizer_step_runs_at_its_scheduled_rate(tiny_model_and_tokenizer
     assert totals["optimizer_steps"] == 2 and optimizer.rates == pytest.approx([5e-4, 1e-3])
 
 
-def test_cosine_schedule_decays_to_a_tenth_of_the_peak():
-    """--lr_schedule cosine, 2 warm-up steps of 12: the factor rises 0.5, 1, then follows the half cosine from 1
-    to 0.1 over the 10 steps after warm-up (0.55 halfway), and stays at 0.1 past the end."""
+def cosine_factors(warmup_steps: int, total_steps: int, steps: int) -> list[float]:
+    """The factor of the peak rate each of `steps` optimizer steps runs at under --lr_schedule cosine."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
-    scheduler = build_scheduler(optimizer, 2, 12, "cosine")
+    scheduler = build_scheduler(optimizer, warmup_steps, total_steps, "cosine")
     rates = []
-    for _ in range(16):
+    for _ in range(steps):
         rates.append(optimizer.param_groups[0]["lr"] / 2.0)
         optimizer.step()
         scheduler.step()
+    return rates
+
+
+def test_cosine_schedule_decays_to_a_tenth_of_the_peak():
+    """--lr_schedule cosine, 2 warm-up steps of 12: the factor rises 0.5, 1, then follows the half cosine from 1
+    to 0.1 over the 10 steps after warm-up (0.55 halfway), and stays at 0.1 past the end."""
+    rates = cosine_factors(2, 12, 16)
     assert rates[:3] == pytest.approx([0.5, 1.0, 1.0])
     assert rates[7] == pytest.approx(0.55) and rates[12:] == pytest.approx([0.1] * 4)
     assert all(a > b for a, b in zip(rates[2:12], rates[3:13]))
@@ -235,14 +241,7 @@ def test_cosine_schedule_decays_to_a_tenth_of_the_peak():
 def test_cosine_schedule_with_a_warm_up_as_long_as_the_run_ends_at_the_peak():
     """Guards: the cosine branch taken when the warm-up fills the run (progress 0 / 0). --lr_schedule cosine with
     --warmup_steps 2 of 2 optimizer steps: factors 0.5, 1, then the peak held (nothing left to decay over)."""
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
-    scheduler = build_scheduler(optimizer, 2, 2, "cosine")
-    rates = []
-    for _ in range(4):
-        rates.append(optimizer.param_groups[0]["lr"] / 2.0)
-        optimizer.step()
-        scheduler.step()
-    assert rates == pytest.approx([0.5, 1.0, 1.0, 1.0])
+    assert cosine_factors(2, 2, 4) == pytest.approx([0.5, 1.0, 1.0, 1.0])
 
 
 @pytest.mark.parametrize("defect", ["nan_loss_in_the_first_microbatch", "nan_loss_in_the_last_microbatch", "infinite_gradient"])
