@@ -23,7 +23,7 @@ import statistics
 from pathlib import Path
 
 from alignment.errors import UserError, run_cli
-from alignment.plot import split_source, load_runs
+from alignment.plot import load_runs, split_source
 
 LOGGED = ("train/reward", "train/fraction_groups_all_right", "train/fraction_groups_all_equal")
 
