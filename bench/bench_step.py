@@ -34,16 +34,18 @@ W1_FLAGS = [
     "--train_mini_batch_size", "32", "--learning_rate", "1e-6", "--loss_type", "grpo_clip", "--no-log_reference_kl",
     "--no-skip_zero_signal",  # a random model earns no reward: time the update anyway, as TRL runs it
     "--evaluate_freq", "0", "--eval_num_examples", "32", "--eval_max_tokens", "64",
+    "--eval_split", "train",  # the train split is GSM8K's test questions (prepare_data): a timing, not a held-out score
 ]
 TINY_FLAGS = [
     "--rollout_batch_size", "4", "--group_size", "4", "--sampling_min_tokens", "16", "--sampling_max_tokens", "16",
     "--train_mini_batch_size", "8", "--learning_rate", "1e-6", "--no-log_reference_kl", "--no-skip_zero_signal", "--repetition_penalty", "1.0",
-    "--evaluate_freq", "0", "--eval_num_examples", "4", "--eval_max_tokens", "16", "--vllm_kv_cache_gb", "0.25",
+    "--evaluate_freq", "0", "--eval_num_examples", "4", "--eval_max_tokens", "16", "--vllm_kv_cache_gb", "0.25", "--eval_split", "train",
 ]
 
 
 def prepare_data(folder: Path) -> Path:
-    """W1 samples GSM8K *test* questions: a data folder whose train split is test.jsonl."""
+    """W1 samples GSM8K *test* questions: a data folder whose train split is test.jsonl (so the runs evaluate with
+    --eval_split train: train_rl refuses a test split that shares problems with the train split)."""
     source = REPO_ROOT / "data" / "gsm8k" / "test.jsonl"
     folder.mkdir(parents=True, exist_ok=True)
     if source.is_file():
