@@ -312,11 +312,15 @@ def check_pass_at_k(args, prefix: str) -> None:
         raise UserError(f"--{prefix}samples {samples} at temperature 0 would repeat the greedy response; pass --{prefix}samples_temperature > 0")
 
 
+def optimizer_steps_per_batch(args) -> int:
+    """The optimizer steps one rollout batch is planned to take: one per --train_batch_size, each --epochs_per_rollout_batch."""
+    return args.epochs_per_rollout_batch * (args.total_rollouts // args.train_batch_size)
+
+
 def _ratio_is_one(args) -> bool:
     """Whether a ratio loss's ratio is 1 at every token, so its clip range cannot act: one optimizer step on each
     batch, against the policy that sampled it, which is the policy being updated (in sync, not the reference)."""
-    single_step = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.total_rollouts
-    return single_step and args.old_policy == "rollout" and not args.rollout_staleness
+    return optimizer_steps_per_batch(args) == 1 and args.old_policy == "rollout" and not args.rollout_staleness
 
 
 def _check_objective_variants(args) -> None:

@@ -126,12 +126,11 @@ def old_policy_log_probs(settings: UpdateSettings, log_probs, ref_log_probs=None
     return log_probs.detach()
 
 
-def needs_old_policy_pass(settings: UpdateSettings, total_rollouts: int, world_size: int = 1) -> bool:
+def needs_old_policy_pass(settings: UpdateSettings, optimizer_steps: int) -> bool:
     """Whether a ratio loss (grpo_clip, gspo, cispo) needs the pre-update policy scored before the
-    update: more than one optimizer step on the batch, the ratio against the sampling policy, in sync.
-    `settings` is one rank's (its share of --train_batch_size), `total_rollouts` the batch's across the ranks."""
-    single_step = settings.epochs_per_rollout_batch == 1 and settings.train_batch_size * world_size == total_rollouts
-    return LOSSES[settings.loss_type].ratio and settings.old_policy == "rollout" and not single_step and not settings.one_step_off
+    update: more than one optimizer step on the batch (`optimizer_steps`, args.optimizer_steps_per_batch: the same on
+    every rank, where `settings` holds one rank's share of the batch), the ratio against the sampling policy, in sync."""
+    return LOSSES[settings.loss_type].ratio and settings.old_policy == "rollout" and optimizer_steps > 1 and not settings.one_step_off
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from alignment.args import optimizer_steps_per_batch
 from alignment.errors import UserError
 
 NAN = float("nan")  # what a step did not measure is n/a: not written to TensorBoard, null in steps.jsonl
@@ -46,7 +47,7 @@ def step_scalars(args, progress: dict, reward_meta: dict, totals: dict, timings:
     "sampler_generate" / "sampler_load", its own times).
     """
     microbatches = totals["microbatches"] or NAN
-    loss_steps = args.epochs_per_rollout_batch * (args.total_rollouts // args.train_batch_size) if totals["microbatches"] else NAN
+    loss_steps = optimizer_steps_per_batch(args) if totals["microbatches"] else NAN
     sampler_tokens = totals["sampler_tokens"] or NAN
     scalars = {
         "train/reward": reward_meta["reward_mean"],

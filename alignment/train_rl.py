@@ -64,7 +64,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from alignment import distributed
 from alignment.args import (build_sft_parser, check_checkpoint, check_checkpoint_flags, check_checkpoint_inputs, check_resume_flags, has_weights, model_context_length, parse_rl_args, read_model_config,
-                            resolve_speed_flags, run_record)
+                            optimizer_steps_per_batch, resolve_speed_flags, run_record)
 from alignment.checkpoint import (OutputLock, check_distinct_outputs, check_output_path, check_saved_model, check_start_kept, check_writable, claim_log_folder, folder_fingerprint, forget_run_from,
                                   has_training_state, load_training_state, read_manifest, real_output_path, recover_checkpoint, record_run_from, remove_output, same_path,
                                   save_model_atomically, save_training_state, start_over, state_step)
@@ -231,11 +231,6 @@ def cut_decay_note(args, rate: float, planned_steps: int) -> str:
             f"schedule planned 10% at step {planned_steps} (plan fewer --max_steps for the decay to end inside the box)")
 
 
-def optimizer_steps_per_batch(args) -> int:
-    """The optimizer steps one rollout batch is planned to take: one per --train_batch_size, each --epochs_per_rollout_batch."""
-    return args.epochs_per_rollout_batch * (args.total_rollouts // args.train_batch_size)
-
-
 def optimizer_and_schedule(args, model, total_steps: int, state: dict | None, say):
     """AdamW and its schedule over every optimizer step of the run; restored from a training state."""
     optimizer = build_optimizer(model, args.learning_rate, args.weight_decay, args.adam_betas)
@@ -341,7 +336,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
         with timed(timings, "logprobs"):
             if has_signal and reference_model is not None:
                 batch["ref_log_probs"] = score_with(reference_model, batch, args.train_mini_batch_size, main_device, **scoring)
-            if has_signal and needs_old_policy_pass(settings, args.total_rollouts, ranks.world_size):
+            if has_signal and needs_old_policy_pass(settings, optimizer_steps_per_batch(args)):
                 batch["old_log_probs"] = score_with(model, batch, args.train_mini_batch_size, main_device, **scoring)
             if args.kl_in == "reward":
                 extras.update(kl_in_reward(args, batch, model, main_device, scoring, ranks))

@@ -8,12 +8,13 @@ an even number of characters): rewards differ within groups and every update mov
 
 import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from alignment import grpo, policy_update, train_rl
-from alignment.args import parse_rl_args
+from alignment.args import optimizer_steps_per_batch, parse_rl_args
 from alignment.optim import build_optimizer, build_scheduler
 from alignment.policy_update import UpdateSettings, sequence_lengths, update_policy
 from alignment.sft_helpers import tokenize_rollouts
@@ -414,12 +415,18 @@ def test_a_ratio_loss_scores_the_pre_update_policy_whenever_a_batch_takes_more_t
         "one step off, two steps": (dict(train_batch_size=4, one_step_off=True), False),
         "cispo, two steps": (dict(train_batch_size=4, loss_type="cispo"), True),
     }
-    assert {name: policy_update.needs_old_policy_pass(update_settings(**changes), 8) for name, (changes, _) in needs.items()} == {
-        name: expected for name, (_, expected) in needs.items()}
+    def needs_pass(changes, total_rollouts=8, world_size=1):
+        """train_rl's question: the settings are one rank's share of --train_batch_size, the step count the flags'."""
+        settings = update_settings(**changes)
+        flags = SimpleNamespace(epochs_per_rollout_batch=settings.epochs_per_rollout_batch, total_rollouts=total_rollouts,
+                                train_batch_size=settings.train_batch_size * world_size)
+        return policy_update.needs_old_policy_pass(settings, optimizer_steps_per_batch(flags))
+
+    assert {name: needs_pass(changes) for name, (changes, _) in needs.items()} == {name: expected for name, (_, expected) in needs.items()}
     # under torchrun each of 2 ranks holds half of the 16 rollouts and half of --train_batch_size: one step of all
     # 16 is one step of 8 on each rank (the pass ran every step there, comparing a rank's share with the whole batch)
-    assert policy_update.needs_old_policy_pass(update_settings(train_batch_size=8), 16, world_size=2) is False
-    assert policy_update.needs_old_policy_pass(update_settings(train_batch_size=4), 16, world_size=2) is True
+    assert needs_pass(dict(train_batch_size=8), 16, world_size=2) is False
+    assert needs_pass(dict(train_batch_size=4), 16, world_size=2) is True
 
 
 # ------------------------------------------------------------ update_policy against a naive autograd step
