@@ -65,6 +65,10 @@ def _steps_of(run_dir: Path) -> list[dict]:
     return _numbered(steps, run_dir / "steps.jsonl", in_order=True)
 
 
+def _evals_of(run_dir: Path) -> list[dict]:
+    return _numbered(read_jsonl(run_dir / "evals.jsonl"), run_dir / "evals.jsonl")
+
+
 def _numbered(rows, where, in_order: bool = False) -> list[dict]:
     """`rows` if each is an object with an integer step (in_order: each after the one before, as train_rl's steps.jsonl,
     trimmed on --resume, has them). A row of another kind (evaluate's samples.jsonl as steps.jsonl) was a KeyError
@@ -142,7 +146,7 @@ def load_runs(sources) -> list[tuple[str, list, list]]:
         if _is_results_file(path):
             runs += _results_runs(path, name, files[str(path)])
         else:
-            runs.append((path.name, longer[str(path)], _steps_of(path), _numbered(read_jsonl(path / "evals.jsonl"), path / "evals.jsonl")))
+            runs.append((path.name, longer[str(path)], _steps_of(path), _evals_of(path)))
     names = [label for label, *_ in runs]
     return [(label if names.count(label) == 1 else longer, steps, evals) for label, longer, steps, evals in runs]
 
@@ -187,7 +191,7 @@ def plot_run(run_dir, out=None, start_eval: dict | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    steps, evals = _steps_of(run_dir), _numbered(read_jsonl(run_dir / "evals.jsonl"), run_dir / "evals.jsonl")
+    steps, evals = _steps_of(run_dir), _evals_of(run_dir)
     if start_eval:
         evals = [{**start_eval, "step": 0}, *evals]
     panels = [
