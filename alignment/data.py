@@ -118,8 +118,11 @@ def _read_rows(path: Path) -> list[dict]:
             if not isinstance(row, dict):
                 raise UserError(f"{where}: expected a JSON object with 'question' and 'answer'")
             for key in ("question", "answer"):
-                if not isinstance(row.get(key), str):
+                if key not in row:
                     raise UserError(f"{where}: missing string field '{key}'")
+                if not isinstance(row[key], str):  # a bare number or a list: the prompt and the grader read text
+                    raise UserError(f"{where}: '{key}' is {type(row[key]).__name__ if row[key] is not None else 'null'}, "
+                                    f"not a string; write it as a JSON string, or remove that row")
                 if not row[key].strip():  # a prompt with no question in it would be trained and graded as one
                     raise UserError(f"{where}: '{key}' is empty; fix or remove that row")
                 try:

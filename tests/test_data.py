@@ -103,6 +103,9 @@ GOOD = json.dumps({"question": "q?", "answer": "a\n#### 3"}).encode() + b"\n"
         (GOOD + b'{"question": "q?", "answ', r"train.jsonl:2: not a JSON object .*truncated"),
         (GOOD + b'{"question": "caf\xe9", "answer": "#### 1"}\n', r"train.jsonl:2: not valid UTF-8"),
         (GOOD + GOOD + json.dumps({"question": "q?"}).encode(), r"train.jsonl:3: missing string field 'answer'"),
+        # a number where text belongs was reported as a missing field, sending the user to look for a key that is there
+        (GOOD + json.dumps({"question": 12, "answer": "#### 1"}).encode() + b"\n", r"train.jsonl:2: 'question' is int, not a string; write it as a JSON string"),
+        (GOOD + json.dumps({"question": "q?", "answer": None}).encode() + b"\n", r"train.jsonl:2: 'answer' is null, not a string"),
         (json.dumps({"question": "q?", "answer": "no marker"}).encode(), r"train.jsonl:1: answer has no '####'"),
         (b"[1, 2]\n", r"train.jsonl:1: expected a JSON object"),
         # a JSON escape of a lone surrogate parses, then broke TensorBoard's text after the whole run
