@@ -3,6 +3,7 @@
     <log_dir>/<run_name>/events.*       TensorBoard: train/*, eval/*, perf/*
     <log_dir>/<run_name>/steps.jsonl    one line of the same scalars per step (`python -m alignment.plot`)
     <log_dir>/<run_name>/evals.jsonl    one line per evaluation
+    <log_dir>/<run_name>/flags.json     the flags of the command that started (or last resumed) the run
 
 `step_scalars` is a pure function of the step's measurements; `RunLog` writes them.
 Only rank 0 writes under torchrun (the other ranks get `RunLog(None, ...)`, which
@@ -117,6 +118,18 @@ class RunLog:
         if writer is not None:  # a resumed run keeps the lines of the steps it does not run again
             for name in ("steps.jsonl", "evals.jsonl"):
                 trim_jsonl(self.run_dir / name, resumed_step, say)
+
+    def flags(self, run: dict, step: int) -> None:
+        """The run's flags (`args.run_record`'s, as given before devices are resolved), beside its curves: flags.json for
+        scripts (`bench/group_signal.py` reads --group_size there) and a TensorBoard text at `step`, so that runs compared
+        in TensorBoard say what they were. A resumed run writes them again at the step it resumes from."""
+        if self.writer is None:
+            return
+        record = {"flags": run["flags"], "derived_flags": run.get("derived_flags", [])}
+        (self.run_dir / "flags.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        rows = "".join(f"| {key} | {json.dumps(value)}{' (derived)' if key in record['derived_flags'] else ''} |\n"
+                       for key, value in sorted(run["flags"].items()))
+        self.writer.add_text("run/flags", "| flag | value |\n|---|---|\n" + rows, step)
 
     def step(self, step: int, total_steps: int, scalars: dict, skipped_steps: int) -> None:
         if self.writer is None:

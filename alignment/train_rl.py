@@ -280,6 +280,7 @@ def train(args, base_model_checkpoint_path, run: dict, stop: StopOnSignal) -> di
     dataset, eval_set, steps_per_epoch, total_steps = load_prompts(args, tokenizer, base_model_checkpoint_path)
     log = RunLog(run_dir, SummaryWriter(str(run_dir), purge_step=state["step"] + 1 if state else None) if ranks.is_main else None,
                  state["step"] if state else 0, args.log_every, say)
+    log.flags(run, state["step"] if state else 0)
 
     # the loop's counters, saved and restored as they are; versions count the steps that changed the weights
     progress = {"step": 0, "skipped_steps": 0, "zero_signal_batches": 0, "policy_version": 0, "world_size": ranks.world_size}

@@ -2,7 +2,7 @@
 
     python bench/group_signal.py runs/rl_base                                   # a train_rl run folder
     python bench/group_signal.py bench/results/gsm8k_qwen15_h100_rl_from_base_cosine.json --from_step 60
-    python bench/group_signal.py runs/rl_base --group_size 8 --sizes 4 8 16 32 --out signal.json
+    python bench/group_signal.py runs/rl_base --sizes 4 8 16 32 --out signal.json
 
 A group of G samples of one prompt carries a gradient only when its rewards differ (0/1 rewards, as the r1_zero
 reward gives). train_rl logs three numbers a step that depend on how the batch's pass rates p are spread: the train
@@ -12,7 +12,8 @@ all-right fraction, which falls from the mean to mean^G as the Beta narrows, fix
 the mean of (1-p)^G, is left over to check the fit against. The fitted Beta then gives, for any group size, the
 fraction of groups that would be mixed, and so how many mixed groups a step buys per 1,000 samples. It is a model of
 the logged averages (steps from --from_step on), not a run: it says what another group size would do to the tied
-groups if the pass rates stayed as they are.
+groups if the pass rates stayed as they are. Each run's group size is the one it recorded (a run folder's flags.json, a
+results file's settings); --group_size is for runs that record none, and is refused where a run recorded another.
 """
 
 import argparse
@@ -76,6 +77,39 @@ def analyse(steps: list[dict], group_size: int, sizes: list[int], from_step: int
                       for size in sizes}}
 
 
+def recorded_group_sizes(source) -> list[int | None]:
+    """The --group_size each run of `source` ran with, in load_runs' order: a run folder's flags.json (train_rl writes
+    it), a results file's rl_settings with a run's own `--group_size N` in its flags; None where nothing records it."""
+    path, name = split_source(source)
+    if not (path.suffix == ".json" and not path.is_dir()):
+        try:
+            size = json.loads((path / "flags.json").read_text())["flags"]["group_size"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return [None]  # an older run's folder, or one another tool wrote
+        return [size if isinstance(size, int) else None]
+    results = json.loads(path.read_text())  # load_runs read it already
+    default = (results.get("rl_settings") or {}).get("group_size")
+    sizes = []
+    for run_name, run in results["runs"].items():
+        if name in (None, run_name):
+            words = str(run.get("flags", "")).split()
+            given = [words[i + 1] for i, word in enumerate(words[:-1]) if word == "--group_size"]
+            sizes.append(int(given[-1]) if given and given[-1].isdigit() else default if isinstance(default, int) else None)
+    return sizes
+
+
+def group_sizes(sources, runs: list, given: int | None) -> list[int]:
+    """Each run's group size: the recorded one; --group_size (else the recipe's 8) where none is recorded. A --group_size
+    that contradicts a record is refused: fitted with the wrong size, the Beta and every prediction are wrong."""
+    recorded = [size for source in sources for size in recorded_group_sizes(source)]
+    sizes = []
+    for (label, _, _), size in zip(runs, recorded):
+        if size is not None and given is not None and size != given:
+            raise UserError(f"--group_size {given}: run {label} recorded --group_size {size}; leave --group_size out to use each run's own")
+        sizes.append(size if size is not None else given if given is not None else 8)
+    return sizes
+
+
 def report(result: dict) -> str:
     lines = [f"{result['run']}: {result['steps']} steps from step {result['from_step']}, groups of {result['group_size']}: reward {result['reward']:.3f}, "
              f"all right {result['all_right']:.3f}, all wrong {result['all_wrong']:.3f} (the fit's {result['all_wrong_fitted']:.3f}); "
@@ -106,18 +140,20 @@ def check_out(out: Path, sources) -> None:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="train_rl run folders (<log_dir>/<run_name>) or results files (FILE.json, FILE.json:NAME)")
-    parser.add_argument("--group_size", type=int, default=8, help="the runs' --group_size (the recipe's 8)")
+    parser.add_argument("--group_size", type=int, help="the --group_size of runs that record none (default: the recipe's 8); each run's "
+                        "flags.json or results file says its own")
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16, 32], help="group sizes to predict")
     parser.add_argument("--from_step", type=int, default=1, help="average the steps from this one on (past the first rise: e.g. 60)")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
-    if args.group_size < 2 or min(args.sizes) < 1:
+    if (args.group_size is not None and args.group_size < 2) or min(args.sizes) < 1:
         parser.error("--group_size must be 2 or more and every --sizes entry 1 or more")
     args.runs = [os.path.expanduser(run) for run in args.runs]  # a quoted `~/...` or `--out=~/x.json` (no shell expands it) names the home folder
     if args.out:
         args.out = args.out.expanduser()
         check_out(args.out, args.runs)
-    results = [analyse(steps, args.group_size, args.sizes, args.from_step, label) for label, steps, _ in load_runs(args.runs)]
+    runs = load_runs(args.runs)
+    results = [analyse(steps, size, args.sizes, args.from_step, label) for (label, steps, _), size in zip(runs, group_sizes(args.runs, runs, args.group_size))]
     print("\n\n".join(map(report, results)))
     if args.out:
         try:

@@ -102,3 +102,28 @@ def test_a_nan_in_the_log_counts_as_not_logged(tmp_path):
     with_nan = [{**row, "train/reward": float("nan")} if row["step"] == 3 else row for row in rows]
     result = group_signal.analyse(with_nan, 8, [8], 1, "nan")
     assert result["steps"] == 29 and result["reward"] == pytest.approx(group_signal.analyse(rows[:2] + rows[3:], 8, [8], 1, "x")["reward"])
+
+
+def test_each_run_is_fitted_with_the_group_size_it_recorded(tmp_path, capsys):
+    """The fit used --group_size (default 8) for every run: a run of groups of 4 was fitted as groups of 8 unless the user
+    remembered to say so, and one command could not read runs of two group sizes."""
+    g4 = tmp_path / "runs" / "g4"
+    g4.mkdir(parents=True)
+    rows4 = sampled_steps(0.7, 0.2, 4, 40, 100, seed=7)
+    (g4 / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows4))
+    (g4 / "flags.json").write_text(json.dumps({"flags": {"group_size": 4}, "derived_flags": []}))
+    results = tmp_path / "bench.json"  # a results file: its settings' group size, a variant's own --group_size in its flags
+    results.write_text(json.dumps({"rl_settings": {"group_size": 8}, "runs": {
+        "rl": {"flags": "the recipe's train_rl flags", "steps": sampled_steps(0.7, 0.2, 8, 40, 100, seed=8), "evals": []},
+        "g16": {"flags": "the recipe's train_rl flags, --group_size 16 --rollout_batch_size 16", "steps": sampled_steps(0.7, 0.2, 16, 40, 100, seed=9),
+                "evals": []}}}))
+    found = group_signal.main([str(g4), str(results)])
+    assert [(result["run"], result["group_size"]) for result in found] == [("g4", 4), ("rl", 8), ("g16", 16)]
+    for result in found:  # each fitted with its own size recovers the spread all three were sampled from
+        assert result["beta"] == [pytest.approx(0.7, rel=0.2), pytest.approx(0.2, rel=0.2)], result["run"]
+    assert group_signal.main([f"{results}:g16", "--group_size", "16"])[0]["group_size"] == 16
+    with pytest.raises(UserError, match=r"^--group_size 8: run g4 recorded --group_size 4; leave --group_size out"):
+        group_signal.main([str(g4), "--group_size", "8"])
+    (g4 / "flags.json").unlink()  # an older run's folder records nothing: --group_size, else the recipe's 8
+    assert group_signal.main([str(g4), "--group_size", "4"])[0]["beta"] == pytest.approx(found[0]["beta"])
+    assert group_signal.main([str(g4)])[0]["group_size"] == 8

@@ -74,3 +74,20 @@ def test_a_resumed_run_keeps_both_logs_up_to_its_step_and_a_new_run_starts_them_
     RunLog(tmp_path, Writer(), resumed_step=0, log_every=1)
     assert not (tmp_path / "steps.jsonl").exists() and not (tmp_path / "evals.jsonl").exists()
     RunLog(tmp_path / "absent", None, resumed_step=3, log_every=1)  # another rank's: writes and trims nothing
+
+
+def test_the_run_flags_go_to_flags_json_and_tensorboard_at_the_step_the_run_starts_from(tmp_path):
+    """Runs compared in TensorBoard said nothing of their flags, and group_signal had to be told each run's group size."""
+    writer = Writer()
+    run = {"flags": {"group_size": 4, "learning_rate": 2e-06, "run_name": "g4", "length_normalization_constant": 1024},
+           "derived_flags": ["length_normalization_constant"], "run_id": "abc"}
+    RunLog(tmp_path, writer, resumed_step=0, log_every=1).flags(run, 0)
+    assert json.loads((tmp_path / "flags.json").read_text()) == {"flags": run["flags"], "derived_flags": ["length_normalization_constant"]}
+    (key, text, step), = writer.texts
+    assert (key, step) == ("run/flags", 0) and "| group_size | 4 |" in text and '| run_name | "g4" |' in text
+    assert "| length_normalization_constant | 1024 (derived) |" in text and "| learning_rate | 2e-06 |" in text
+    resumed = {**run, "flags": {**run["flags"], "learning_rate": 1e-06}}
+    RunLog(tmp_path, writer, resumed_step=7, log_every=1).flags(resumed, 7)  # a resume's flags, at its step
+    assert writer.texts[1][2] == 7 and json.loads((tmp_path / "flags.json").read_text())["flags"]["learning_rate"] == 1e-06
+    RunLog(tmp_path / "absent", None, resumed_step=0, log_every=1).flags(run, 0)  # another rank's: writes nothing
+    assert not (tmp_path / "absent").exists()

@@ -295,6 +295,8 @@ def test_max_train_minutes_ends_the_run_with_its_save_and_final_evaluation(pipel
     assert [json.loads(line)["step"] for line in (run_dir / "evals.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert json.loads((run_dir / "final_eval_metrics.json").read_text())["step"] == 3
     assert (pipeline.root / name / "rl" / "model.safetensors").is_file()
+    flags = json.loads((run_dir / "flags.json").read_text())["flags"]  # the run's flags beside its curves, as given
+    assert (flags["max_train_minutes"], flags["lr_schedule"], flags["run_name"]) == (1.0, "cosine", name) and "resume" not in flags
     # a run whose last step reaches the limit ends where it would have: nothing is cut short, nothing to say
     train_rl.main(rl_flags(pipeline, "time_limit_at_the_end", "--rollout_backend", "hf", "--max_steps", "3", "--evaluate_freq", "0",
                            "--max_train_minutes", "1"))
