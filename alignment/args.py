@@ -558,7 +558,10 @@ EVALUATION_SIDE_FLAGS = (
 )
 _AUTO_FLAGS = ("torch_compile", "pack_sequences")  # None until resolve_speed_flags knows the device
 # flags that act only when a run starts: on --resume they change the record, not the run
-_START_ONLY_FLAGS = {"evaluate_at_start": "has no effect: step 0 is evaluated when a run starts, not on --resume"}
+_START_ONLY_FLAGS = {"evaluate_at_start": "has no effect: step 0 is evaluated when a run starts, not on --resume",
+                     # the logs follow the new folder: one run drawn as two curves, the second starting at the resumed step
+                     **dict.fromkeys(("run_name", "log_dir"), "takes effect: the steps from here are logged in the new folder and the earlier "
+                                                             "ones stay in the old one; resume with the run's own flag to keep one curve")}
 
 
 def _store_true_flags() -> frozenset:

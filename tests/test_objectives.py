@@ -609,6 +609,9 @@ def test_good_combinations_parse_and_resume_refuses_a_changed_objective(task):
         check_resume_flags(saved, args, "sha")
     saved["flags"]["entropy_coef"] = 0.001
     assert check_resume_flags(saved, args, "sha") == ["--eval_samples 8 (the run had 0) takes effect"]  # evaluation may change
+    saved["flags"]["run_name"] = "first"  # a new --run_name splits the run's curves in two folders: said so, not only "takes effect"
+    assert check_resume_flags(saved, args, "sha")[1] == ("--run_name rl (the run had first) takes effect: the steps from here are logged in the new "
+                                                         "folder and the earlier ones stay in the old one; resume with the run's own flag to keep one curve")
 
 
 def test_evaluate_cli_pass_at_k_flags(task, capsys, tmp_path):
