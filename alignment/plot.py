@@ -11,7 +11,8 @@ and format rate, held-out accuracy, response length, KL to the reference and the
 fraction, the sampler/trainer log-prob gap, and seconds per step. Given several runs it
 draws them side by side instead, one line each: held-out accuracy against the step and
 against training minutes (the clock --max_train_minutes reads: evaluations left out),
-train reward and response length. A run can also come from a benchmark's results file
+train reward and response length, each run labelled with the flags it ran with that
+another run did not (from the run folders' flags.json). A run can also come from a benchmark's results file
 (bench/results/*.json, whose "runs" hold each run's steps and evals): FILE.json for all of
 its runs, FILE.json:NAME for one. Headless (Agg).
 """
@@ -133,6 +134,37 @@ def distinct_suffixes(paths: list[Path]) -> list[str]:
     return suffixes
 
 
+PER_RUN_FLAGS = ("run_name", "log_dir", "checkpoint_path", "tmp_checkpoint_path", "state_dir")  # each run's own places, not what runs compare
+
+
+def recorded_flags(source) -> list[dict | None]:
+    """The flags each run of `source` recorded, in load_runs' order: a run folder's flags.json (train_rl writes it);
+    None for a folder without one (an older run's) and for a results file's runs (they describe their flags in words)."""
+    path, name = split_source(source)
+    if _is_results_file(path):
+        return [None] * len(_results_runs(path, name, ""))
+    try:
+        flags = json.loads((path / "flags.json").read_text())["flags"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [None]
+    return [flags if isinstance(flags, dict) else None]
+
+
+def differing_flags(flag_sets: list[dict | None]) -> list[str]:
+    """For each run, the flags it recorded that another run recorded otherwise, as a command line would give them
+    ("--learning_rate 1e-05 --seed 1"): what a side-by-side figure compares. Empty where no other run recorded flags."""
+    known = [flags for flags in flag_sets if flags is not None]
+    keys = sorted({key for flags in known for key in flags} - set(PER_RUN_FLAGS))
+    differ = [key for key in keys if len({json.dumps(flags.get(key), sort_keys=True) for flags in known}) > 1]
+
+    def given(key, value):
+        if isinstance(value, bool):
+            return f"--{key}" if value else f"--no-{key}"
+        return f"--{key} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+
+    return ["" if flags is None else " ".join(given(key, flags.get(key)) for key in differ) for flags in flag_sets]
+
+
 def load_runs(sources) -> list[tuple[str, list, list]]:
     """(label, steps, evals) for every run the sources name: train_rl run folders, results files
     (FILE.json: all its runs; FILE.json:NAME: one). Labels are run names, made longer (as many
@@ -159,8 +191,10 @@ def plot_runs(sources, out) -> Path:
     import matplotlib.pyplot as plt
 
     runs = load_runs(sources)
+    differ = differing_flags([flags for source in sources for flags in recorded_flags(source)])
     figure, axes = plt.subplots(2, 2, figsize=(12, 8))
-    for label, steps, evals in runs:
+    for (label, steps, evals), flags in zip(runs, differ):
+        label = f"{label}: {flags}" if flags else label  # what the runs compare, where their folders recorded it
         minutes = training_minutes(steps)
         x, accuracy = _series(evals, "avg_all_rewards")
         line = axes[0, 0].plot(x, accuracy, marker="o", markersize=3, label=label)[0]

@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 
 from alignment.errors import UserError, run_cli
-from alignment.plot import load_runs, split_source
+from alignment.plot import load_runs, recorded_flags, split_source
 
 LOGGED = ("train/reward", "train/fraction_groups_all_right", "train/fraction_groups_all_equal")
 
@@ -82,11 +82,8 @@ def recorded_group_sizes(source) -> list[int | None]:
     it), a results file's rl_settings with a run's own `--group_size N` in its flags; None where nothing records it."""
     path, name = split_source(source)
     if not (path.suffix == ".json" and not path.is_dir()):
-        try:
-            size = json.loads((path / "flags.json").read_text())["flags"]["group_size"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return [None]  # an older run's folder, or one another tool wrote
-        return [size if isinstance(size, int) else None]
+        flags = recorded_flags(source)[0] or {}  # None: an older run's folder, or one another tool wrote
+        return [flags["group_size"] if isinstance(flags.get("group_size"), int) else None]
     results = json.loads(path.read_text())  # load_runs read it already
     default = (results.get("rl_settings") or {}).get("group_size")
     sizes = []

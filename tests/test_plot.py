@@ -212,6 +212,37 @@ def test_side_by_side_runs_draw_accuracy_against_steps_and_training_minutes_and_
     plt.close(figures[0])
 
 
+def test_side_by_side_runs_are_labelled_with_the_flags_that_differ_between_them(tmp_path, monkeypatch):
+    """Two runs that differ in one flag were labelled by their folder names alone: the figure did not say what it compared.
+    Each run's own places (--run_name, --checkpoint_path) are not a difference; a run without flags.json gets no flags."""
+    import matplotlib.pyplot as plt
+
+    from alignment.plot import plot_runs
+
+    base = {"learning_rate": 2e-06, "seed": 42, "adam_betas": [0.9, 0.95], "dynamic_sampling": False, "max_train_minutes": None}
+    changes = {"a": {}, "b": {"learning_rate": 1e-05, "adam_betas": [0.9, 0.99], "dynamic_sampling": True}, "c": {"seed": 1}, "old": None}
+    runs = []
+    for name, change in changes.items():
+        run = tmp_path / name
+        run.mkdir()
+        (run / "steps.jsonl").write_text(json.dumps({"step": 1, "perf/step_seconds": 6.0, "train/reward": 0.5, "train/response_length": 9.0}) + "\n")
+        (run / "evals.jsonl").write_text(json.dumps({"step": 1, "avg_all_rewards": 0.5}) + "\n")
+        if change is not None:
+            flags = {**base, **change, "run_name": name, "checkpoint_path": f"checkpoints/{name}"}
+            (run / "flags.json").write_text(json.dumps({"flags": flags, "derived_flags": []}))
+        runs.append(str(run))
+    figures = captured_figures(monkeypatch)
+    plot_runs(runs, tmp_path / "compare.png")
+    assert list(curves(figures[0].axes[0])) == [
+        "a: --adam_betas 0.9 0.95 --no-dynamic_sampling --learning_rate 2e-06 --seed 42",
+        "b: --adam_betas 0.9 0.99 --dynamic_sampling --learning_rate 1e-05 --seed 42",
+        "c: --adam_betas 0.9 0.95 --no-dynamic_sampling --learning_rate 2e-06 --seed 1", "old"]
+    plt.close(figures[0])
+    plot_runs(runs[:1] + runs[3:], tmp_path / "compare.png")  # one run with flags: nothing to compare them with
+    assert list(curves(figures[1].axes[0])) == ["a", "old"]
+    plt.close(figures[1])
+
+
 def test_a_torn_line_inside_a_log_is_skipped_and_the_lines_after_it_are_read(tmp_path):
     """A line cut short is skipped, not the end of the file: the steps logged after it still count."""
     log = tmp_path / "steps.jsonl"
