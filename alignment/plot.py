@@ -93,7 +93,7 @@ def split_source(source) -> tuple[Path, str | None]:
     return (Path(file + ".json"), name) if separator else (Path(source), None)
 
 
-def _is_results_file(path: Path) -> bool:
+def is_results_file(path: Path) -> bool:
     return path.suffix == ".json" and not path.is_dir()
 
 
@@ -141,7 +141,7 @@ def recorded_flags(source) -> list[dict | None]:
     """The flags each run of `source` recorded, in load_runs' order: a run folder's flags.json (train_rl writes it);
     None for a folder without one (an older run's) and for a results file's runs (they describe their flags in words)."""
     path, name = split_source(source)
-    if _is_results_file(path):
+    if is_results_file(path):
         return [None] * len(_results_runs(path, name, ""))
     try:
         flags = json.loads((path / "flags.json").read_text())["flags"]
@@ -170,12 +170,12 @@ def load_runs(sources) -> list[tuple[str, list, list]]:
     (FILE.json: all its runs; FILE.json:NAME: one). Labels are run names, made longer (as many
     parent folders as tell them apart, or the file) where two would be the same."""
     runs = []
-    folders = [path for path, _ in map(split_source, sources) if not _is_results_file(path)]
+    folders = [path for path, _ in map(split_source, sources) if not is_results_file(path)]
     longer = dict(zip(map(str, folders), distinct_suffixes(folders)))
-    files = results_file_labels([path for path, _ in map(split_source, sources) if _is_results_file(path)])
+    files = results_file_labels([path for path, _ in map(split_source, sources) if is_results_file(path)])
     for source in sources:
         path, name = split_source(source)
-        if _is_results_file(path):
+        if is_results_file(path):
             runs += _results_runs(path, name, files[str(path)])
         else:
             runs.append((path.name, longer[str(path)], _steps_of(path), _evals_of(path)))
@@ -276,13 +276,13 @@ def comparison_path(sources) -> Path:
     sit among tracked files). Run folders of one name (bench outputs' runs/rl) are named with as many parent
     folders as tell them apart, and a name cut to length ends in a hash of the whole, as load_runs labels them apart."""
     split = [split_source(source) for source in sources]
-    folders = [path for path, _ in split if not _is_results_file(path)]
+    folders = [path for path, _ in split if not is_results_file(path)]
     short = [path.name for path in folders]
     longer = dict(zip(map(str, folders), distinct_suffixes(folders)))
-    files = results_file_labels([path for path, _ in split if _is_results_file(path)])
+    files = results_file_labels([path for path, _ in split if is_results_file(path)])
     names = []
     for path, name in split:
-        if _is_results_file(path):
+        if is_results_file(path):
             names.append(files[str(path)].replace("/", "_") + (f"_{name}" if name else ""))
         else:
             names.append(path.name if short.count(path.name) == 1 else longer[str(path)].replace("/", "_"))
@@ -303,7 +303,7 @@ def main(argv=None) -> Path:
     if args.out and Path(args.out).suffix.lower() not in IMAGE_SUFFIXES:
         raise UserError(f"--out {args.out}: name an image file ending in {', '.join(IMAGE_SUFFIXES)} (the figure's format follows the name)")
     first = split_source(args.run_dir[0])[0]
-    if len(args.run_dir) == 1 and not _is_results_file(first):
+    if len(args.run_dir) == 1 and not is_results_file(first):
         out = plot_run(first, args.out)
     else:
         out = plot_runs(args.run_dir, args.out or comparison_path(args.run_dir))

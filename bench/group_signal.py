@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 
 from alignment.errors import UserError, run_cli
-from alignment.plot import load_runs, recorded_flags, split_source
+from alignment.plot import is_results_file, load_runs, recorded_flags, split_source
 
 LOGGED = ("train/reward", "train/fraction_groups_all_right", "train/fraction_groups_all_equal")
 
@@ -81,7 +81,7 @@ def recorded_group_sizes(source) -> list[int | None]:
     """The --group_size each run of `source` ran with, in load_runs' order: a run folder's flags.json (train_rl writes
     it), a results file's rl_settings with a run's own `--group_size N` in its flags; None where nothing records it."""
     path, name = split_source(source)
-    if not (path.suffix == ".json" and not path.is_dir()):
+    if not is_results_file(path):
         flags = recorded_flags(source)[0] or {}  # None: an older run's folder, or one another tool wrote
         return [flags["group_size"] if isinstance(flags.get("group_size"), int) else None]
     results = json.loads(path.read_text())  # load_runs read it already
