@@ -89,7 +89,7 @@ def recorded_group_sizes(source) -> list[int | None]:
     sizes = []
     for run_name, run in results["runs"].items():
         if name in (None, run_name):
-            words = str(run.get("flags", "")).split()
+            words = str(run.get("flags", "")).replace("--group_size=", "--group_size ").split()  # argparse takes both spellings
             given = [words[i + 1] for i, word in enumerate(words[:-1]) if word == "--group_size"]
             sizes.append(int(given[-1]) if given and given[-1].isdigit() else default if isinstance(default, int) else None)
     return sizes

@@ -122,6 +122,10 @@ def test_each_run_is_fitted_with_the_group_size_it_recorded(tmp_path, capsys):
     for result in found:  # each fitted with its own size recovers the spread all three were sampled from
         assert result["beta"] == [pytest.approx(0.7, rel=0.2), pytest.approx(0.2, rel=0.2)], result["run"]
     assert group_signal.main([f"{results}:g16", "--group_size", "16"])[0]["group_size"] == 16
+    data = json.loads(results.read_text())
+    data["runs"]["g16"]["flags"] = "the recipe's train_rl flags, --group_size=16"  # a variant written with argparse's `=`
+    results.write_text(json.dumps(data))
+    assert group_signal.main([f"{results}:g16"])[0]["group_size"] == 16
     with pytest.raises(UserError, match=r"^--group_size 8: run g4 recorded --group_size 4; leave --group_size out"):
         group_signal.main([str(g4), "--group_size", "8"])
     (g4 / "flags.json").unlink()  # an older run's folder records nothing: --group_size, else the recipe's 8
