@@ -21,6 +21,7 @@ import torch
 
 from alignment.args import optimizer_steps_per_batch
 from alignment.errors import UserError
+from alignment.plot import PER_RUN_FLAGS
 
 NAN = float("nan")  # what a step did not measure is n/a: not written to TensorBoard, null in steps.jsonl
 STEP_TIMINGS = ("rollout", "reward", "logprobs", "update", "sync", "eval")
@@ -110,6 +111,18 @@ def console_line(step: int, total_steps: int, scalars: dict, skipped_steps: int)
     return " ".join(part for part in parts if part)
 
 
+HPARAMS_METRICS = ("eval/avg_all_rewards", "eval/format_reward", "train/reward", "train/response_length")
+
+
+def hparam_values(flags: dict) -> dict:
+    """The flags as TensorBoard's HParams table takes them (numbers and strings; a switch or a list as its text),
+    without each run's own places."""
+    def value(flag):
+        return flag if isinstance(flag, (int, float, str)) and not isinstance(flag, bool) else " ".join(map(str, flag)) if isinstance(flag, list) else str(flag)
+
+    return {key: value(flag) for key, flag in sorted(flags.items()) if key not in PER_RUN_FLAGS}
+
+
 class RunLog:
     """The run folder's writers. `writer` is a SummaryWriter, or None on ranks that do not write."""
 
@@ -121,8 +134,9 @@ class RunLog:
 
     def flags(self, run: dict, step: int) -> None:
         """The run's flags (`args.run_record`'s, as given before devices are resolved), beside its curves: flags.json for
-        scripts (`bench/group_signal.py` reads --group_size there) and a TensorBoard text at `step`, so that runs compared
-        in TensorBoard say what they were. A resumed run writes them again at the step it resumes from."""
+        scripts (`bench/group_signal.py` reads --group_size there), a TensorBoard text at `step`, and, when the run starts,
+        TensorBoard's HParams table (one row a run: its flags beside its latest HPARAMS_METRICS). A resumed run writes
+        flags.json and the text again at the step it resumes from; the table keeps the flags the run started with."""
         if self.writer is None:
             return
         record = {"flags": run["flags"], "derived_flags": run.get("derived_flags", [])}
@@ -130,6 +144,14 @@ class RunLog:
         rows = "".join(f"| {key} | {json.dumps(value)}{' (derived)' if key in record['derived_flags'] else ''} |\n"
                        for key, value in sorted(run["flags"].items()))
         self.writer.add_text("run/flags", "| flag | value |\n|---|---|\n" + rows, step)
+        if step == 0:
+            from torch.utils.tensorboard.summary import hparams
+
+            # the HParams plugin reads each metric's latest value from this run's scalars of that tag; no end status is
+            # written (the plugin would show a running run as finished)
+            experiment, session_start, _ = hparams(hparam_values(run["flags"]), dict.fromkeys(HPARAMS_METRICS, NAN))
+            for summary in (experiment, session_start):
+                self.writer.file_writer.add_summary(summary, step)
 
     def step(self, step: int, total_steps: int, scalars: dict, skipped_steps: int) -> None:
         if self.writer is None:

@@ -103,10 +103,15 @@ def update_settings(**changes):
 
 
 class RecordingWriter:
-    """A TensorBoard SummaryWriter's calls, kept: `scalars` as (key, value, step), `texts` as (key, text, step)."""
+    """A TensorBoard SummaryWriter's calls, kept: `scalars` as (key, value, step), `texts` as (key, text, step), and the
+    summaries written through its `file_writer` (the HParams plugin's) as (summary, step)."""
 
     def __init__(self):
-        self.scalars, self.texts = [], []
+        self.scalars, self.texts, self.summaries = [], [], []
+        self.file_writer = self
+
+    def add_summary(self, summary, step=None):
+        self.summaries.append((summary, step))
 
     def add_scalar(self, key, value, step):
         self.scalars.append((key, value, step))

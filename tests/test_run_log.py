@@ -76,18 +76,35 @@ def test_a_resumed_run_keeps_both_logs_up_to_its_step_and_a_new_run_starts_them_
     RunLog(tmp_path / "absent", None, resumed_step=3, log_every=1)  # another rank's: writes and trims nothing
 
 
+def hparams_data(summary):
+    """The HParams plugin's record in a summary (its Experiment, or its SessionStartInfo), decoded."""
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    (value,) = summary.value
+    assert value.metadata.plugin_data.plugin_name == "hparams"
+    return HParamsPluginData.FromString(value.metadata.plugin_data.content)
+
+
 def test_the_run_flags_go_to_flags_json_and_tensorboard_at_the_step_the_run_starts_from(tmp_path):
     """Runs compared in TensorBoard said nothing of their flags, and group_signal had to be told each run's group size."""
     writer = Writer()
-    run = {"flags": {"group_size": 4, "learning_rate": 2e-06, "run_name": "g4", "length_normalization_constant": 1024},
+    run = {"flags": {"group_size": 4, "learning_rate": 2e-06, "run_name": "g4", "length_normalization_constant": 1024, "adam_betas": [0.9, 0.95],
+                     "dynamic_sampling": True},
            "derived_flags": ["length_normalization_constant"], "run_id": "abc"}
     RunLog(tmp_path, writer, resumed_step=0, log_every=1).flags(run, 0)
     assert json.loads((tmp_path / "flags.json").read_text()) == {"flags": run["flags"], "derived_flags": ["length_normalization_constant"]}
     (key, text, step), = writer.texts
     assert (key, step) == ("run/flags", 0) and "| group_size | 4 |" in text and '| run_name | "g4" |' in text
     assert "| length_normalization_constant | 1024 (derived) |" in text and "| learning_rate | 2e-06 |" in text
+    # TensorBoard's HParams table: the flags as the run started, without its own places, and the metrics it reads
+    experiment, started = (hparams_data(summary) for summary, _ in writer.summaries)
+    assert [metric.name.tag for metric in experiment.experiment.metric_infos] == ["eval/avg_all_rewards", "eval/format_reward", "train/reward",
+                                                                                  "train/response_length"]
+    table = {key: value.string_value or value.number_value for key, value in started.session_start_info.hparams.items()}
+    assert table == {"group_size": 4, "learning_rate": 2e-06, "length_normalization_constant": 1024, "adam_betas": "0.9 0.95", "dynamic_sampling": "True"}
     resumed = {**run, "flags": {**run["flags"], "learning_rate": 1e-06}}
     RunLog(tmp_path, writer, resumed_step=7, log_every=1).flags(resumed, 7)  # a resume's flags, at its step
     assert writer.texts[1][2] == 7 and json.loads((tmp_path / "flags.json").read_text())["flags"]["learning_rate"] == 1e-06
+    assert len(writer.summaries) == 2  # the table keeps the first start's row (the plugin reads the first)
     RunLog(tmp_path / "absent", None, resumed_step=0, log_every=1).flags(run, 0)  # another rank's: writes nothing
     assert not (tmp_path / "absent").exists()
