@@ -44,8 +44,14 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def _number(row: dict, key: str) -> float | None:
+    """The row's value of `key` if it is a number; anything else (null, a string another writer logged) is not logged."""
+    value = row.get(key)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _series(rows: list[dict], key: str) -> tuple[list, list]:
-    points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
+    points = [(row["step"], _number(row, key)) for row in rows if _number(row, key) is not None]
     return [step for step, _ in points], [value for _, value in points]
 
 
@@ -54,7 +60,7 @@ def training_minutes(steps: list[dict]) -> dict[int, float]:
     evaluations, the clock train_rl's --max_train_minutes reads."""
     minutes, total = {0: 0.0}, 0.0
     for row in steps:
-        total += (row.get("perf/step_seconds") or 0.0) - (row.get("perf/eval_seconds") or 0.0)
+        total += (_number(row, "perf/step_seconds") or 0.0) - (_number(row, "perf/eval_seconds") or 0.0)
         minutes[row["step"]] = total / 60
     return minutes
 

@@ -243,6 +243,32 @@ def test_side_by_side_runs_are_labelled_with_the_flags_that_differ_between_them(
     plt.close(figures[1])
 
 
+def test_a_value_that_is_not_a_number_counts_as_not_logged(tmp_path, monkeypatch):
+    """A string (or a boolean) that another writer logged under a scalar's key broke a side-by-side plot with a TypeError
+    from the training-minutes sum; it is a point not logged, as a null is, in the curves and in the minutes."""
+    import matplotlib.pyplot as plt
+
+    from alignment.plot import plot_run, plot_runs
+
+    run = tmp_path / "other"
+    run.mkdir()
+    steps = [{"step": 1, "perf/step_seconds": 60.0, "train/reward": 0.5}, {"step": 2, "perf/step_seconds": "n/a", "train/reward": True},
+             {"step": 3, "perf/step_seconds": 120.0, "train/reward": 0.75}]
+    (run / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in steps))
+    (run / "evals.jsonl").write_text("".join(json.dumps({"step": s, "avg_all_rewards": a}) + "\n" for s, a in ((2, "0.5"), (3, 0.6))))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "steps.jsonl").write_text(json.dumps({"step": 1, "perf/step_seconds": 60.0, "train/reward": 0.5}) + "\n")
+    figures = captured_figures(monkeypatch)
+    plot_runs([str(run), str(plain)], tmp_path / "compare.png")
+    axes = figures[0].axes
+    assert curves(axes[0])["other"] == ([3], [0.6]) and curves(axes[1])["other"] == ([3.0], [0.6])  # minutes 1 + 0 + 2
+    assert curves(axes[2])["other"] == ([1, 3], [0.5, 0.75])
+    plot_run(run)
+    plt.close(figures[0])
+    plt.close(figures[1])
+
+
 def test_a_torn_line_inside_a_log_is_skipped_and_the_lines_after_it_are_read(tmp_path):
     """A line cut short is skipped, not the end of the file: the steps logged after it still count."""
     log = tmp_path / "steps.jsonl"
