@@ -544,6 +544,8 @@ RUN_DEFINING_FLAGS = (
     "dynamic_sampling", "max_sampling_rounds", "dynamic_sampling_prompts", "overlong", "overlong_buffer",
 )
 _NOT_RECORDED = ("resume", "derived_flags", "given_flags")
+# each run's own places: not what runs compare (plot's labels, TensorBoard's HParams table)
+PER_RUN_FLAGS = ("run_name", "log_dir", "checkpoint_path", "tmp_checkpoint_path", "state_dir")
 # Flags that place, speed up, log or evaluate a run without changing the weights it trains:
 # an RL checkpoint is evaluated whatever they are. Any other flag given on the command line
 # must match the run that trained the checkpoint (check_checkpoint_flags).

@@ -24,6 +24,7 @@ import os
 import re
 from pathlib import Path
 
+from alignment.args import PER_RUN_FLAGS
 from alignment.errors import UserError, run_cli
 
 
@@ -138,9 +139,6 @@ def distinct_suffixes(paths: list[Path]) -> list[str]:
             count += 1
         suffixes.append("/".join(own[-max(count, 2):]))
     return suffixes
-
-
-PER_RUN_FLAGS = ("run_name", "log_dir", "checkpoint_path", "tmp_checkpoint_path", "state_dir")  # each run's own places, not what runs compare
 
 
 def recorded_flags(source) -> list[dict | None]:

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 
-from alignment.args import optimizer_steps_per_batch
+from alignment.args import PER_RUN_FLAGS, optimizer_steps_per_batch
 from alignment.errors import UserError
-from alignment.plot import PER_RUN_FLAGS
 
 NAN = float("nan")  # what a step did not measure is n/a: not written to TensorBoard, null in steps.jsonl
 STEP_TIMINGS = ("rollout", "reward", "logprobs", "update", "sync", "eval")

@@ -108,3 +108,10 @@ def test_the_run_flags_go_to_flags_json_and_tensorboard_at_the_step_the_run_star
     assert len(writer.summaries) == 2  # the table keeps the first start's row (the plugin reads the first)
     RunLog(tmp_path / "absent", None, resumed_step=0, log_every=1).flags(run, 0)  # another rank's: writes nothing
     assert not (tmp_path / "absent").exists()
+
+
+def test_the_places_left_out_of_run_comparisons_are_train_rl_flags():
+    """A misspelt name in PER_RUN_FLAGS would leave that path in every HParams row and plot label as a difference."""
+    from alignment.args import PER_RUN_FLAGS, build_rl_parser
+
+    assert set(PER_RUN_FLAGS) <= {action.dest for action in build_rl_parser()._actions}
