@@ -12,9 +12,9 @@ fraction, the sampler/trainer log-prob gap, and seconds per step. Given several 
 draws them side by side instead, one line each: held-out accuracy against the step and
 against training minutes (the clock --max_train_minutes reads: evaluations left out),
 train reward and response length, each run labelled with the flags it ran with that
-another run did not (from the run folders' flags.json). A run can also come from a benchmark's results file
-(bench/results/*.json, whose "runs" hold each run's steps and evals): FILE.json for all of
-its runs, FILE.json:NAME for one. Headless (Agg).
+another run did not (from the run folders' flags.json). A run can also come from a
+benchmark's results file (bench/results/*.json, whose "runs" hold each run's steps and
+evals): FILE.json for all of its runs, FILE.json:NAME for one. Headless (Agg).
 """
 
 import argparse
