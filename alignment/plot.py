@@ -142,11 +142,15 @@ def distinct_suffixes(paths: list[Path]) -> list[str]:
 
 
 def recorded_flags(source) -> list[dict | None]:
-    """The flags each run of `source` recorded, in load_runs' order: a run folder's flags.json (train_rl writes it);
-    None for a folder without one (an older run's) and for a results file's runs (they describe their flags in words)."""
+    """The flags each run of `source` recorded, in load_runs' order: a run folder's flags.json (train_rl writes it), a
+    results file run's "flags" where it holds that file's {"flags": {...}}; None for a folder without one (an older
+    run's) and for a results file's runs that describe their flags in words."""
     path, name = split_source(source)
     if is_results_file(path):
-        return [None] * len(_results_runs(path, name, ""))
+        _results_runs(path, name, "")  # the file's checks, as load_runs makes them
+        runs = json.loads(path.read_text())["runs"]
+        kept = [run.get("flags") for run_name, run in runs.items() if name in (None, run_name)]
+        return [record["flags"] if isinstance(record, dict) and isinstance(record.get("flags"), dict) else None for record in kept]
     try:
         flags = json.loads((path / "flags.json").read_text())["flags"]
     except (OSError, ValueError, KeyError, TypeError):

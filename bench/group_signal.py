@@ -78,20 +78,23 @@ def analyse(steps: list[dict], group_size: int, sizes: list[int], from_step: int
 
 
 def recorded_group_sizes(source) -> list[int | None]:
-    """The --group_size each run of `source` ran with, in load_runs' order: a run folder's flags.json (train_rl writes
-    it), a results file's rl_settings with a run's own `--group_size N` in its flags; None where nothing records it."""
+    """The --group_size each run of `source` ran with, in load_runs' order: its recorded flags (a run folder's
+    flags.json, a results file run's copy of it), else a results file's rl_settings with a run's own `--group_size N`
+    in its flags in words; None where nothing records it."""
     path, name = split_source(source)
+    recorded = [flags.get("group_size") if flags else None for flags in recorded_flags(source)]  # flags.json's record
     if not is_results_file(path):
-        flags = recorded_flags(source)[0] or {}  # None: an older run's folder, or one another tool wrote
-        return [flags["group_size"] if isinstance(flags.get("group_size"), int) else None]
+        return [size if isinstance(size, int) else None for size in recorded]
     results = json.loads(path.read_text())  # load_runs read it already
     default = (results.get("rl_settings") or {}).get("group_size")
     sizes = []
-    for run_name, run in results["runs"].items():
-        if name in (None, run_name):
-            words = str(run.get("flags", "")).replace("--group_size=", "--group_size ").split()  # argparse takes both spellings
-            given = [words[i + 1] for i, word in enumerate(words[:-1]) if word == "--group_size"]
-            sizes.append(int(given[-1]) if given and given[-1].isdigit() else default if isinstance(default, int) else None)
+    for size, run in zip(recorded, (run for run_name, run in results["runs"].items() if name in (None, run_name))):
+        if isinstance(size, int):
+            sizes.append(size)
+            continue
+        words = str(run.get("flags", "")).replace("--group_size=", "--group_size ").split()  # flags in words; argparse takes both spellings
+        given = [words[i + 1] for i, word in enumerate(words[:-1]) if word == "--group_size"]
+        sizes.append(int(given[-1]) if given and given[-1].isdigit() else default if isinstance(default, int) else None)
     return sizes
 
 

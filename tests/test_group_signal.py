@@ -126,6 +126,10 @@ def test_each_run_is_fitted_with_the_group_size_it_recorded(tmp_path, capsys):
     data["runs"]["g16"]["flags"] = "the recipe's train_rl flags, --group_size=16"  # a variant written with argparse's `=`
     results.write_text(json.dumps(data))
     assert group_signal.main([f"{results}:g16"])[0]["group_size"] == 16
+    data["runs"]["g16"]["flags"] = {"flags": {"group_size": 16, "seed": 1}, "derived_flags": []}  # a run folder's flags.json, copied in
+    data["runs"]["g16"]["steps"] = sampled_steps(0.7, 0.2, 16, 40, 100, seed=9)
+    results.write_text(json.dumps(data))
+    assert group_signal.main([f"{results}:g16"])[0]["group_size"] == 16
     with pytest.raises(UserError, match=r"^--group_size 8: run g4 recorded --group_size 4; leave --group_size out"):
         group_signal.main([str(g4), "--group_size", "8"])
     (g4 / "flags.json").unlink()  # an older run's folder records nothing: --group_size, else the recipe's 8

@@ -241,6 +241,12 @@ def test_side_by_side_runs_are_labelled_with_the_flags_that_differ_between_them(
     plot_runs(runs[:1] + runs[3:], tmp_path / "compare.png")  # one run with flags: nothing to compare them with
     assert list(curves(figures[1].axes[0])) == ["a", "old"]
     plt.close(figures[1])
+    results = tmp_path / "bench.json"  # a results file whose run carries its folder's flags.json, beside a run folder
+    results.write_text(json.dumps({"runs": {"r": {"flags": {"flags": {**base, "seed": 7}}, "steps": [{"step": 1, "perf/step_seconds": 6.0}],
+                                                  "evals": []}, "words": {"flags": "the recipe's", "steps": [{"step": 1}], "evals": []}}}))
+    plot_runs([runs[0], str(results)], tmp_path / "compare.png")
+    assert list(curves(figures[2].axes[2])) == ["a: --seed 42", "r: --seed 7", "words"]
+    plt.close(figures[2])
 
 
 def test_a_value_that_is_not_a_number_counts_as_not_logged(tmp_path, monkeypatch):
