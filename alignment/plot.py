@@ -14,7 +14,8 @@ against training minutes (the clock --max_train_minutes reads: evaluations left 
 train reward and response length, each run labelled with the flags it ran with that
 another run did not (from the run folders' flags.json). A run can also come from a
 benchmark's results file (bench/results/*.json, whose "runs" hold each run's steps and
-evals): FILE.json for all of its runs, FILE.json:NAME for one. Headless (Agg).
+evals, and its flags.json as "flags" where it was copied in): FILE.json for all of its
+runs, FILE.json:NAME for one. Headless (Agg).
 """
 
 import argparse
