@@ -325,14 +325,22 @@ def _file_table(folder: Path) -> dict:
     }
 
 
-def folder_fingerprint(path) -> str:
+def folder_fingerprint(path, recorded: str | None = None) -> str:
     """SHA-256 naming a model folder's contents: of its manifest's file table when this tool wrote it (check_saved_model
-    has checked the files against it), else of its files themselves (a folder from elsewhere; every file is read)."""
+    has checked the files against it), else of its files themselves (a folder from elsewhere; every file is read).
+
+    The hidden files of a folder from elsewhere are not its contents: `hf download --local-dir` keeps its download
+    notes under .cache/ and a file browser leaves .DS_Store, and either changed the fingerprint, so --resume refused a
+    run from an unchanged model. A run's `recorded` fingerprint that counted them (an earlier version's) is returned
+    when the folder still holds what it counted."""
     path = Path(path)
     manifest = read_manifest(path)
     if manifest is not None:
         return copy_identity(manifest)
-    return hashlib.sha256(json.dumps(_file_table(path), sort_keys=True).encode()).hexdigest()
+    table = _file_table(path)
+    digest = lambda files: hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()  # noqa: E731
+    fingerprint = digest({name: entry for name, entry in table.items() if not any(part.startswith(".") for part in Path(name).parts)})
+    return recorded if recorded not in (None, fingerprint) and recorded == digest(table) else fingerprint
 
 
 def verify_manifest(path, what: str) -> dict:

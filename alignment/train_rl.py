@@ -451,9 +451,10 @@ def check_not_a_copy_of_the_runs_state(state_dir, saved_run: dict) -> None:
                         f"resume from {recorded}, or move that state away first to continue from the copy (nothing was changed)")
 
 
-def input_fingerprints(args, start) -> tuple[str | None, str | None]:
-    """The start checkpoint's and train.jsonl's fingerprints as they are now (None for one that is not there)."""
-    start_sha256 = folder_fingerprint(start) if has_weights(start) else None
+def input_fingerprints(args, start, recorded: dict | None = None) -> tuple[str | None, str | None]:
+    """The start checkpoint's and train.jsonl's fingerprints as they are now (None for one that is not there);
+    `recorded`, the run record they are checked against (folder_fingerprint reads its start's as an older version wrote it)."""
+    start_sha256 = folder_fingerprint(start, (recorded or {}).get("start_checkpoint_sha256")) if has_weights(start) else None
     return start_sha256, split_fingerprint(args.data_dir, "train")
 
 
@@ -510,7 +511,7 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
                             f"pass an RL run's --checkpoint_path, or evaluate it with `python -m alignment.evaluate --model_path "
                             f"{args.checkpoint_path}` (nothing was changed)")
         check_checkpoint_flags(saved, args)  # this command's training flags are that run's
-        check_checkpoint_inputs(saved, args, *input_fingerprints(args, base_model_checkpoint_path))  # and so are its start and data
+        check_checkpoint_inputs(saved, args, *input_fingerprints(args, base_model_checkpoint_path, saved.get("run")))  # and so are its start and data
         check_saved_model(args.checkpoint_path, f"the checkpoint cannot be evaluated; {start_over(run_dir, args.checkpoint_path)} to train again")
         check_model_folder(args.checkpoint_path, "--checkpoint_path")
         check_writable(run_dir, "--log_dir")
@@ -540,13 +541,14 @@ def _start(args, base_model_checkpoint_path, run_dir, outputs, locks, writes) ->
     check_writable(run_dir, "--log_dir")
     # recorded with the run: a resumed run must load the same start and data again, and a rerun that only
     # evaluates the checkpoint must name what it was trained from
-    start_sha256, train_data_sha256 = input_fingerprints(args, base_model_checkpoint_path)
+    resumed = read_manifest(args.state_dir).get("run", {}) if args.resume and has_training_state(args.state_dir) else None
+    start_sha256, train_data_sha256 = input_fingerprints(args, base_model_checkpoint_path, resumed)
     eval_data_sha256 = split_fingerprint(args.data_dir, args.eval_split)
     run_id = uuid.uuid4().hex
     if args.resume and not has_training_state(args.state_dir):
         print(f"--resume: no training state in {args.state_dir}; starting from the SFT checkpoint")
-    if args.resume and has_training_state(args.state_dir):
-        saved = read_manifest(args.state_dir).get("run", {})
+    if resumed is not None:
+        saved = resumed
         check_not_a_copy_of_the_runs_state(args.state_dir, saved)
         # --checkpoint_path may change on resume, but never onto another run's result: the save would replace it
         held = ((read_manifest(args.checkpoint_path) or {}).get("run") or {}).get("run_id") if has_weights(args.checkpoint_path) else None

@@ -6,6 +6,7 @@ time bound from threads is in tests/test_grader.py.
 """
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -1440,6 +1441,42 @@ def test_a_save_refused_by_a_file_added_mid_run_goes_beside_the_checkpoint(tmp_p
     assert json.loads((task.root / "runs" / "added" / "final_eval_metrics.json").read_text())["step"] == 6
 
 
+def test_a_run_from_a_downloaded_model_resumes_after_hidden_files_appear_in_it(tmp_path, monkeypatch, capsys):
+    """A start folder this tool did not write (`hf download --local-dir`, no manifest) is fingerprinted by its files: the
+    download notes under .cache/ and a file browser's .DS_Store changed that, and --resume refused the run. A state an
+    earlier version wrote (its fingerprint counted those files) resumes as well, and changed weights are still refused."""
+    task = make_tiny_task(tmp_path / "exp", num_train=16, num_test=4, seed=6)
+    assert not (task.sft / MANIFEST_NAME).exists()  # a model folder from elsewhere, as a download is
+    (task.sft / ".cache" / "huggingface").mkdir(parents=True)
+    (task.sft / ".cache" / "huggingface" / "config.json.metadata").write_text("abc\n1.0\n")
+    state = interrupted_run(task, "downloaded", monkeypatch)
+    (task.sft / ".cache" / "huggingface" / "config.json.metadata").write_text("abc\n2.0\n")  # the download run again
+    (task.sft / ".DS_Store").write_bytes(b"\0")
+    train_rl.main(flags(task, "downloaded", "--save_state_every", "1", "--resume"))
+    assert [s["step"] for s in steps_log(task, "downloaded")] == [1, 2, 3]
+    # the same run's state as an earlier version recorded it: the fingerprint of every file, hidden ones in
+    state = interrupted_run(task, "earlier", monkeypatch)
+    earlier = hashlib.sha256(json.dumps(checkpoint._file_table(task.sft), sort_keys=True).encode()).hexdigest()
+    manifest = json.loads((state / MANIFEST_NAME).read_text())
+    assert manifest["run"]["start_checkpoint_sha256"] != earlier
+    manifest["run"]["start_checkpoint_sha256"] = earlier
+    (state / MANIFEST_NAME).write_text(json.dumps(manifest))
+    train_rl.main(flags(task, "earlier", "--save_state_every", "1", "--resume"))
+    assert [s["step"] for s in steps_log(task, "earlier")] == [1, 2, 3]
+    # its finished checkpoint, as the earlier version recorded it, is evaluated by the same command again (not refused)
+    result = task.root / "earlier" / "rl"
+    manifest = json.loads((result / MANIFEST_NAME).read_text())
+    manifest["run"]["start_checkpoint_sha256"] = earlier
+    (result / MANIFEST_NAME).write_text(json.dumps(manifest))
+    capsys.readouterr()
+    train_rl.main(flags(task, "earlier", "--save_state_every", "1"))
+    assert "rl already holds weights: evaluating it" in capsys.readouterr().out
+    interrupted_run(task, "edited", monkeypatch)
+    (task.sft / "config.json").write_text((task.sft / "config.json").read_text().replace("{", '{"note": 1, ', 1))
+    with pytest.raises(UserError, match=r"--resume: the start checkpoint .* holds other files than when the run started"):
+        train_rl.main(flags(task, "edited", "--save_state_every", "1", "--resume"))
+
+
 def test_a_stopped_run_resumes_after_its_folders_moved(tmp_path, monkeypatch, capsys):
     """The start checkpoint's and the data's paths were compared as strings: after `mv exp exp_moved` (or a cluster's new
     mount point) --resume was refused, and its advice (pass the old path) named a folder that no longer exists."""
@@ -1636,6 +1673,27 @@ def test_outputs_are_told_apart_however_their_paths_are_spelled(tmp_path):
     for outputs, message in cases:
         with pytest.raises(UserError, match=message):
             checkpoint.check_distinct_outputs(outputs)
+
+
+def test_a_start_folder_from_elsewhere_is_fingerprinted_by_its_model_files_not_its_hidden_ones(tmp_path):
+    """`hf download --local-dir` keeps download notes under .cache/ in the folder and a file browser leaves .DS_Store:
+    either changed the start model's fingerprint, and --resume refused a run from an unchanged model."""
+    hub = tmp_path / "models" / "qwen"
+    (hub / "nested").mkdir(parents=True)
+    (hub / "config.json").write_text('{"model_type": "qwen2"}')
+    (hub / "nested" / "model.safetensors").write_bytes(b"weights")
+    before = checkpoint.folder_fingerprint(hub)
+    (hub / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    (hub / ".cache" / "huggingface" / "download" / "config.json.metadata").write_text("abc\n1796690000.0\n")
+    (hub / ".DS_Store").write_bytes(b"\0\0")
+    assert checkpoint.folder_fingerprint(hub) == before
+    # a run recorded by an earlier version, whose fingerprint counted the hidden files: the same folder as it recorded
+    table = checkpoint._file_table(hub)
+    earlier = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()
+    assert earlier != before and checkpoint.folder_fingerprint(hub, recorded=earlier) == earlier
+    assert checkpoint.folder_fingerprint(hub, recorded="another") == before
+    (hub / "nested" / "model.safetensors").write_bytes(b"other weights")  # the model's own files still count, at any depth
+    assert checkpoint.folder_fingerprint(hub) != before and checkpoint.folder_fingerprint(hub, recorded=earlier) not in (before, earlier)
 
 
 def test_the_notes_of_unfinished_runs_find_each_state_and_outlive_a_sibling_run(tmp_path, monkeypatch):
