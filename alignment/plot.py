@@ -105,19 +105,25 @@ def is_results_file(path: Path) -> bool:
     return path.suffix == ".json" and not path.is_dir()
 
 
-def _results_runs(path: Path, name: str | None, file_label: str) -> list[tuple[str, str, list, list]]:
-    """(label, longer label, steps, evals) of the runs in a benchmark's results file, or of its run `name`; the longer
-    label names the file by `file_label` (results_file_labels)."""
+def read_results_file(path: Path, name: str | None) -> tuple[dict, dict]:
+    """A benchmark's results file, checked: (the whole file, its runs by name: all of them, or only run `name`)."""
     try:
-        runs = json.loads(path.read_text()).get("runs")
+        results = json.loads(path.read_text())
+        runs = results.get("runs")
     except (OSError, ValueError, AttributeError) as error:
         raise UserError(f"{path} is not a results file that can be read ({str(error).splitlines()[0] if str(error) else 'no runs'})") from None
     if not isinstance(runs, dict) or not all(isinstance(run, dict) and run.get("steps") for run in runs.values()):
         raise UserError(f'{path} holds no runs with steps (a results file keeps them as "runs": {{name: {{"steps": [...], "evals": [...]}}}}); pass a train_rl run folder instead')
     if name is not None and name not in runs:
         raise UserError(f"{path} has no run {name!r}; its runs: {', '.join(runs)}")
+    return results, {run_name: run for run_name, run in runs.items() if name in (None, run_name)}
+
+
+def _results_runs(path: Path, name: str | None, file_label: str) -> list[tuple[str, str, list, list]]:
+    """(label, longer label, steps, evals) of the runs in a benchmark's results file, or of its run `name`; the longer
+    label names the file by `file_label` (results_file_labels)."""
     return [(run_name, f"{file_label}/{run_name}", _numbered(run["steps"], f"{path}:{run_name} steps", in_order=True),
-             _numbered(run.get("evals") or [], f"{path}:{run_name} evals")) for run_name, run in runs.items() if name in (None, run_name)]
+             _numbered(run.get("evals") or [], f"{path}:{run_name} evals")) for run_name, run in read_results_file(path, name)[1].items()]
 
 
 def results_file_labels(paths: list[Path]) -> dict[str, str]:
@@ -148,10 +154,8 @@ def recorded_flags(source) -> list[dict | None]:
     run's) and for a results file's runs that describe their flags in words."""
     path, name = split_source(source)
     if is_results_file(path):
-        _results_runs(path, name, "")  # the file's checks, as load_runs makes them
-        runs = json.loads(path.read_text())["runs"]
-        kept = [run.get("flags") for run_name, run in runs.items() if name in (None, run_name)]
-        return [record["flags"] if isinstance(record, dict) and isinstance(record.get("flags"), dict) else None for record in kept]
+        records = [run.get("flags") for run in read_results_file(path, name)[1].values()]
+        return [record["flags"] if isinstance(record, dict) and isinstance(record.get("flags"), dict) else None for record in records]
     try:
         flags = json.loads((path / "flags.json").read_text())["flags"]
     except (OSError, ValueError, KeyError, TypeError):

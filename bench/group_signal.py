@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 
 from alignment.errors import UserError, run_cli
-from alignment.plot import is_results_file, load_runs, recorded_flags, split_source
+from alignment.plot import is_results_file, load_runs, read_results_file, recorded_flags, split_source
 
 LOGGED = ("train/reward", "train/fraction_groups_all_right", "train/fraction_groups_all_equal")
 
@@ -85,10 +85,10 @@ def recorded_group_sizes(source) -> list[int | None]:
     recorded = [flags.get("group_size") if flags else None for flags in recorded_flags(source)]  # flags.json's record
     if not is_results_file(path):
         return [size if isinstance(size, int) else None for size in recorded]
-    results = json.loads(path.read_text())  # load_runs read it already
+    results, runs = read_results_file(path, name)
     default = (results.get("rl_settings") or {}).get("group_size")
     sizes = []
-    for size, run in zip(recorded, (run for run_name, run in results["runs"].items() if name in (None, run_name))):
+    for size, run in zip(recorded, runs.values()):
         if isinstance(size, int):
             sizes.append(size)
             continue
